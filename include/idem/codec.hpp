@@ -1,0 +1,82 @@
+#pragma once
+/// @file codec.hpp How handler results are stored and replayed: the idem::codec<T> customisation point.
+
+#include <charconv>
+#include <concepts>
+#include <string>
+#include <string_view>
+#include <system_error>
+#include <type_traits>
+#include <typeinfo>
+
+#include "idem/error.hpp"
+
+namespace idem {
+
+/**
+ * Customisation point: specialise `idem::codec<T>` for your result type with
+ * `static std::string encode(const T&)` and `static T decode(std::string_view)`.
+ * decode must throw (any exception) on input it cannot read; the guard turns that into
+ * corrupt_record_error, never into a duplicate.
+ *
+ * @code
+ * template <> struct idem::codec<Receipt> {
+ *   static std::string encode(const Receipt& r) { return r.id; }
+ *   static Receipt decode(std::string_view s) { return Receipt{std::string(s)}; }
+ * };
+ * @endcode
+ */
+template <class T>
+struct codec;
+
+/// Strings are stored as they are.
+template <>
+struct codec<std::string> {
+  /// Identity.
+  static std::string encode(const std::string& v) { return v; }
+  /// Identity.
+  static std::string decode(std::string_view s) { return std::string(s); }
+};
+
+/// bool is stored as "0" or "1".
+template <>
+struct codec<bool> {
+  /// "1" or "0".
+  static std::string encode(bool v) { return v ? "1" : "0"; }
+  /// Accepts exactly "0" or "1".
+  static bool decode(std::string_view s) {
+    if (s == "1") return true;
+    if (s == "0") return false;
+    throw codec_error("idem: stored bool is not \"0\" or \"1\"");
+  }
+};
+
+/// Integers and floating-point numbers are stored as their shortest round-trip decimal text.
+template <class T>
+  requires(std::is_arithmetic_v<T> && !std::is_same_v<T, bool>)
+struct codec<T> {
+  /// Decimal text (std::to_chars).
+  static std::string encode(T v) {
+    char buf[64];
+    auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+    if (ec != std::errc{}) throw codec_error("idem: cannot encode arithmetic result");
+    return std::string(buf, end);
+  }
+  /// Parses the whole text or throws codec_error.
+  static T decode(std::string_view s) {
+    T v{};
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if (ec != std::errc{} || end != s.data() + s.size() || s.empty())
+      throw codec_error("idem: stored value is not a valid " + std::string(typeid(T).name()));
+    return v;
+  }
+};
+
+/// True when idem::codec<T> is specialised with encode and decode of the right shape.
+template <class T>
+concept Encodable = requires(const T& v, std::string_view s) {
+  { codec<T>::encode(v) } -> std::convertible_to<std::string>;
+  { codec<T>::decode(s) } -> std::convertible_to<T>;
+};
+
+}  // namespace idem

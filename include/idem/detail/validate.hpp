@@ -1,0 +1,52 @@
+#pragma once
+// Input checks shared by the guard and every store, so each rejects bad input with the same words.
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+#include "idem/error.hpp"
+#include "idem/record.hpp"
+
+namespace idem::detail {
+
+/// Default limit on key length in bytes (GuardOptions::max_key_bytes overrides it).
+inline constexpr std::size_t default_max_key_bytes = 1024;
+
+inline void check_key(std::string_view key, std::size_t max_bytes = default_max_key_bytes) {
+  if (key.empty())
+    throw invalid_key_error("idem: the idempotency key is empty; derive it from a stable message id");
+  if (key.size() > max_bytes)
+    throw invalid_key_error("idem: the idempotency key is " + std::to_string(key.size()) +
+                            " bytes, over the limit of " + std::to_string(max_bytes) +
+                            "; hash long keys (idem::fingerprint) or raise max_key_bytes");
+}
+
+inline void check_lease(millis lease, const char* what = "lease") {
+  if (lease <= millis{0})
+    throw invalid_options_error(std::string("idem: ") + what + " must be positive, got " +
+                                std::to_string(lease.count()) + " ms");
+}
+
+inline void check_retention(millis retention, millis lease) {
+  if (retention < lease)
+    throw invalid_options_error("idem: retention (" + std::to_string(retention.count()) +
+                                " ms) is shorter than the lease (" + std::to_string(lease.count()) +
+                                " ms); a record must outlive its lease, raise retention");
+}
+
+inline void check_acquire(std::string_view key, const AcquireParams& p) {
+  check_key(key, static_cast<std::size_t>(-1));
+  check_lease(p.lease);
+  check_retention(p.retention, p.lease);
+  if (p.token == 0)
+    throw invalid_options_error("idem: acquire token must be non-zero random; the guard makes one");
+}
+
+inline void check_holder(std::string_view key, const Holder& h) {
+  check_key(key, static_cast<std::size_t>(-1));
+  if (h.fence == 0 || h.token == 0)
+    throw invalid_options_error("idem: holder has a zero fence or token; pass the holder acquire returned");
+}
+
+}  // namespace idem::detail

@@ -1,0 +1,96 @@
+#pragma once
+/// @file error.hpp The exception family: every error idem throws derives from idem::error.
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace idem {
+
+/// Root of every exception idem throws; retryable() says whether trying again later can help.
+class error : public std::runtime_error {
+public:
+  /// Builds an error with a message and whether a later retry can succeed.
+  error(const std::string& what, bool retryable) : std::runtime_error(what), retryable_(retryable) {}
+  /// True when the same call may succeed later (store down, timeout); false for caller bugs.
+  [[nodiscard]] bool retryable() const noexcept { return retryable_; }
+
+private:
+  bool retryable_;
+};
+
+/// Caller mistake (bad key, bad option, bad URL, unsafe identifier): fix the call, do not retry.
+class usage_error : public error {
+public:
+  /// Builds a usage error whose message says what to change.
+  explicit usage_error(const std::string& what) : error(what, false) {}
+};
+
+/// The idempotency key is empty or longer than the configured limit.
+class invalid_key_error : public usage_error {
+public:
+  using usage_error::usage_error;
+};
+
+/// An options struct holds a value that cannot work (zero lease, retention below lease, ...).
+class invalid_options_error : public usage_error {
+public:
+  using usage_error::usage_error;
+};
+
+/// The store failed or could not be reached; the handler did not run and nothing was changed
+/// blindly. code() carries the store's own code (SQLSTATE, Redis error prefix) when there is one.
+class store_error : public error {
+public:
+  /// Builds a store error; code is the store's own error code or empty.
+  store_error(const std::string& what, std::string code = {}, bool retryable = true)
+      : error(what, retryable), code_(std::move(code)) {}
+  /// The store's own error code (SQLSTATE such as "40001", Redis prefix such as "OOM"), or "".
+  [[nodiscard]] const std::string& code() const noexcept { return code_; }
+
+private:
+  std::string code_;
+};
+
+/// The store could not be reached or the connection broke; retry later.
+class connection_error : public store_error {
+public:
+  using store_error::store_error;
+};
+
+/// A store call exceeded its timeout; its effect is unknown, so the guard never treats it as done.
+class timeout_error : public store_error {
+public:
+  using store_error::store_error;
+};
+
+/// The store is full (MemoryStore record bound, Redis OOM under noeviction); retry after purge.
+class capacity_error : public store_error {
+public:
+  using store_error::store_error;
+};
+
+/// The connection was lost while committing: the transaction may or may not have committed.
+/// Never retried blindly (the model is libpqxx's in_doubt_error); reconcile before redelivery.
+class outcome_unknown_error : public store_error {
+public:
+  /// Builds an in-doubt error; never retryable.
+  explicit outcome_unknown_error(const std::string& what, std::string code = {})
+      : store_error(what, std::move(code), false) {}
+};
+
+/// A stored record (or stored result) cannot be decoded; never reported as a duplicate.
+class corrupt_record_error : public error {
+public:
+  /// Builds a corrupt-record error naming what could not be read.
+  explicit corrupt_record_error(const std::string& what) : error(what, false) {}
+};
+
+/// A result codec failed to encode or decode a value.
+class codec_error : public error {
+public:
+  /// Builds a codec error; the message names the type and the reason.
+  explicit codec_error(const std::string& what) : error(what, false) {}
+};
+
+}  // namespace idem

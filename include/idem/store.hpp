@@ -1,0 +1,56 @@
+#pragma once
+/// @file store.hpp The StateStore concept every backend models, and the transactional extension.
+
+#include <concepts>
+#include <optional>
+#include <string_view>
+
+#include "idem/record.hpp"
+
+namespace idem {
+
+/**
+ * A store that moves each key through the state machine of docs/guarantees.md atomically.
+ *
+ * Every member is one atomic step in the store; lease decisions use the store's clock; any
+ * failure throws an idem::store_error (or corrupt_record_error) and never reports a decision it
+ * did not make. Implementations must be safe to call from many threads at once.
+ *
+ * @code
+ * idem::MemoryStore store;
+ * auto r = store.acquire("order-42", {.lease = 5s, .retention = 24h, .token = 7});
+ * if (r.status == idem::AcquireStatus::acquired) store.complete("order-42", r.holder, "ok", 24h);
+ * @endcode
+ */
+template <class S>
+concept StateStore = requires(S& s, std::string_view key, const AcquireParams& ap, const Holder& h,
+                              std::string_view result, const FailParams& fp, millis d) {
+  { s.acquire(key, ap) } -> std::same_as<AcquireResult>;
+  { s.complete(key, h, result, d) } -> std::same_as<WriteStatus>;
+  { s.fail(key, h, fp) } -> std::same_as<WriteStatus>;
+  { s.extend(key, h, d) } -> std::same_as<WriteStatus>;
+  { s.inspect(key) } -> std::same_as<std::optional<Record>>;
+};
+
+/**
+ * A store whose acquire opens a transaction that the handler joins (PostgreSQL transactional
+ * mode): the claim, the handler's own writes and the completion commit together or not at all.
+ *
+ * `s.begin(key, params)` returns a move-only `S::transaction`; `tx.decision()` is the acquire
+ * decision; when it is acquired, the guard runs the handler with `&tx` in the context and then
+ * calls exactly one of `tx.commit(result, retention)` (records completed and commits; throws
+ * outcome_unknown_error if the commit's fate is unknown) or `tx.fail(params)` (rolls back; under
+ * the record policy writes the failure in a fresh transaction). Destroying an open transaction
+ * rolls it back.
+ */
+template <class S>
+concept TransactionalStore =
+    requires(S& s, std::string_view key, const AcquireParams& ap, typename S::transaction& tx,
+             std::string_view result, const FailParams& fp, millis d) {
+      { s.begin(key, ap) } -> std::same_as<typename S::transaction>;
+      { tx.decision() } -> std::convertible_to<const AcquireResult&>;
+      { tx.commit(result, d) } -> std::same_as<WriteStatus>;
+      { tx.fail(fp) } -> std::same_as<WriteStatus>;
+    };
+
+}  // namespace idem
