@@ -1,0 +1,445 @@
+#pragma once
+/// @file guard.hpp IdempotencyGuard: runs a handler at most once per key, records and replays its result.
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <utility>
+
+#include <unistd.h>
+
+#include "idem/codec.hpp"
+#include "idem/detail/lru_cache.hpp"
+#include "idem/detail/random.hpp"
+#include "idem/detail/validate.hpp"
+#include "idem/error.hpp"
+#include "idem/fingerprint.hpp"
+#include "idem/observer.hpp"
+#include "idem/options.hpp"
+#include "idem/outcome.hpp"
+#include "idem/record.hpp"
+#include "idem/store.hpp"
+
+namespace idem {
+
+namespace detail {
+template <class S, class = void>
+struct tx_of {
+  using type = void;
+};
+template <class S>
+struct tx_of<S, std::void_t<typename S::transaction>> {
+  using type = typename S::transaction;
+};
+}  // namespace detail
+
+/// What a handler may learn about its run; pass `const Context&` as the handler's only parameter.
+/// Tx is the store's transaction type in transactional mode (PostgresStore), else void.
+template <class Tx = void>
+struct BasicContext {
+  std::string_view key;        ///< the idempotency key
+  std::uint64_t fence = 0;     ///< fencing token: grows on every acquire of this key; pass it downstream
+  std::uint32_t attempt = 0;   ///< times the key has been acquired, this run included
+  bool takeover = false;       ///< this run took over a holder whose lease lapsed
+  std::stop_token stop;        ///< fires when the heartbeat finds the lease lost: stop and return
+  Tx* tx = nullptr;            ///< transactional mode: the open transaction to write through; else null
+};
+
+/// The context of handlers on stores without a transactional mode.
+using Context = BasicContext<void>;
+
+/**
+ * Wraps a message handler so that its effect happens once per idempotency key, on a StateStore.
+ * Thread-safe when the store is (every idem store is): share one guard between worker threads.
+ * The store must outlive the guard.
+ *
+ * @code
+ * idem::MemoryStore store;
+ * idem::IdempotencyGuard guard{store, {.lease = 30s, .retention = 24h}};
+ * auto out = guard.run(msg.id, msg.body, [&](const idem::Context& ctx) {
+ *   return charge(msg, ctx.fence);          // runs at most once per msg.id
+ * });
+ * if (out.action() == idem::BrokerAction::ack) consumer.ack(msg);
+ * @endcode
+ */
+template <StateStore Store>
+class IdempotencyGuard {
+public:
+  /// The context type handlers of this guard receive.
+  using context_type = BasicContext<typename detail::tx_of<Store>::type>;
+
+  /// Binds to `store` (not owned); throws invalid_options_error when the options cannot work.
+  explicit IdempotencyGuard(Store& store, GuardOptions options = {})
+      : store_(&store), options_(std::move(options)) {
+    detail::check_options(options_);
+    if (options_.owner.empty()) options_.owner = default_owner();
+    if (options_.cache_capacity > 0)
+      cache_ = std::make_unique<detail::LruCache>(options_.cache_capacity, options_.retention);
+  }
+
+  /// Runs `handler` unless `key` was already handled (or is being handled); see Outcome.
+  /// Handler exceptions are recorded per the failure policy and rethrown unchanged.
+  template <class F>
+  auto run(std::string_view key, F&& handler) {
+    return run_impl(key, std::string{}, std::forward<F>(handler));
+  }
+
+  /// Like run(key, handler), and also fingerprints `payload`: a key reused with a different
+  /// payload answers Status::mismatch and the handler does not run.
+  template <class F>
+  auto run(std::string_view key, std::string_view payload, F&& handler) {
+    return run_impl(key, fingerprint(payload), std::forward<F>(handler));
+  }
+
+  /// The options in force (owner filled in).
+  [[nodiscard]] const GuardOptions& options() const noexcept { return options_; }
+  /// The store this guard runs on.
+  [[nodiscard]] Store& store() const noexcept { return *store_; }
+
+private:
+  template <class F>
+  static constexpr bool takes_context = std::is_invocable_v<F&, const context_type&>;
+
+  template <class F>
+  using result_of = std::conditional_t<takes_context<F>, std::invoke_result<F&, const context_type&>,
+                                       std::invoke_result<F&>>;
+
+  template <class F>
+  auto run_impl(std::string_view key, std::string fp, F&& handler) {
+    static_assert(takes_context<F> || std::is_invocable_v<F&>,
+                  "idem: the handler must be callable with () or with (const idem::Context&)");
+    using R = std::decay_t<typename result_of<F>::type>;
+    static_assert(std::is_void_v<R> || Encodable<R>,
+                  "idem: the handler's result type needs an idem::codec<T> specialisation (see codec.hpp)");
+    detail::check_key(key, options_.max_key_bytes);
+    const auto started = std::chrono::steady_clock::now();
+    Outcome<R> out;
+    try {
+      out = decide<R>(key, fp, handler);
+    } catch (const store_error& e) {
+      if (options_.observer) options_.observer->on_store_error(key, e);
+      throw;
+    } catch (const corrupt_record_error& e) {
+      if (options_.observer) options_.observer->on_store_error(key, e);
+      throw;
+    }
+    if (options_.observer) {
+      options_.observer->on_outcome(OutcomeEvent{key, out.status, std::chrono::steady_clock::now() - started,
+                                                 out.attempt, out.takeover, out.from_cache});
+    }
+    return out;
+  }
+
+  template <class R, class F>
+  Outcome<R> decide(std::string_view key, const std::string& fp, F& handler) {
+    if (cache_) {
+      if (auto hit = cache_->get(key)) {
+        Outcome<R> out;
+        if (!fp.empty() && !hit->fingerprint.empty() && fp != hit->fingerprint) {
+          out.status = Status::mismatch;
+        } else {
+          out.status = Status::duplicate;
+          out.value = decode<R>(key, hit->result);
+          out.from_cache = true;
+        }
+        return out;
+      }
+    }
+    AcquireParams ap;
+    ap.fingerprint = fp;
+    ap.lease = options_.lease;
+    ap.retention = options_.retention;
+    ap.owner = options_.owner;
+    if constexpr (TransactionalStore<Store>) {
+      if (use_transactions()) return decide_tx<R>(key, fp, ap, handler);
+    }
+    AcquireResult ar = acquire_waiting(key, ap);
+    if (ar.status != AcquireStatus::acquired) return not_acquired<R>(key, fp, ar);
+
+    const Holder holder = ar.holder;
+    Outcome<R> out;
+    out.fence = holder.fence;
+    out.attempt = ar.attempts;
+    out.takeover = ar.takeover;
+
+    std::stop_source stop;
+    context_type ctx{key, holder.fence, ar.attempts, ar.takeover, stop.get_token(), nullptr};
+    std::string encoded;
+    {
+      Heartbeat hb(*this, key, holder, stop);
+      try {
+        if constexpr (std::is_void_v<R>) {
+          invoke(handler, ctx);
+          out.value.emplace();
+        } else {
+          out.value.emplace(invoke(handler, ctx));
+          encoded = encode<R>(*out.value);
+        }
+      } catch (...) {
+        hb.stop();
+        record_failure(key, holder, ar.attempts, std::current_exception());
+        throw;
+      }
+    }
+    const WriteStatus ws = store_->complete(key, holder, encoded, options_.retention);
+    if (ws == WriteStatus::ok) {
+      out.status = Status::executed;
+      if (cache_) cache_->put(key, fp, encoded);
+    } else {
+      out.status = Status::lease_lost;
+    }
+    return out;
+  }
+
+  template <class R, class F>
+  Outcome<R> decide_tx(std::string_view key, const std::string& fp, AcquireParams& ap, F& handler) {
+    const auto deadline = std::chrono::steady_clock::now() + options_.wait_for_in_flight;
+    millis pause{10};
+    for (;;) {
+      ap.token = detail::random_token();
+      auto tx = store_->begin(key, ap);
+      const AcquireResult& ar = tx.decision();
+      if (ar.status == AcquireStatus::in_flight && std::chrono::steady_clock::now() < deadline) {
+        pause = wait_pause(ar, deadline, pause);
+        continue;  // tx is rolled back by its destructor before the pause
+      }
+      if (ar.status != AcquireStatus::acquired) return not_acquired<R>(key, fp, ar);
+      Outcome<R> out;
+      out.fence = ar.holder.fence;
+      out.attempt = ar.attempts;
+      out.takeover = ar.takeover;
+      std::stop_source stop;
+      context_type ctx{key, ar.holder.fence, ar.attempts, ar.takeover, stop.get_token(), &tx};
+      std::string encoded;
+      try {
+        if constexpr (std::is_void_v<R>) {
+          invoke(handler, ctx);
+          out.value.emplace();
+        } else {
+          out.value.emplace(invoke(handler, ctx));
+          encoded = encode<R>(*out.value);
+        }
+      } catch (...) {
+        const auto ep = std::current_exception();
+        if (options_.observer) options_.observer->on_handler_error(key, ep);
+        try {
+          tx.fail(fail_params(ar.attempts, describe(ep)));
+        } catch (const std::exception& e) {
+          if (options_.observer) options_.observer->on_store_error(key, e);
+        }
+        throw;
+      }
+      const WriteStatus ws = tx.commit(encoded, options_.retention);
+      out.status = ws == WriteStatus::ok ? Status::executed : Status::lease_lost;
+      if (ws == WriteStatus::ok && cache_) cache_->put(key, fp, encoded);
+      return out;
+    }
+  }
+
+  bool use_transactions() const {
+    if constexpr (requires(const Store& s) {
+                    { s.transactional() } -> std::convertible_to<bool>;
+                  })
+      return store_->transactional();
+    else
+      return true;
+  }
+
+  // Polls an in-flight key with doubling pauses (10 ms .. 200 ms, never past the holder's lease
+  // or the caller's bound), so a redelivery that races the first delivery can still answer
+  // Duplicate instead of InFlight.
+  AcquireResult acquire_waiting(std::string_view key, AcquireParams& ap) {
+    const auto deadline = std::chrono::steady_clock::now() + options_.wait_for_in_flight;
+    millis pause{10};
+    for (;;) {
+      ap.token = detail::random_token();
+      AcquireResult ar = store_->acquire(key, ap);
+      if (ar.status != AcquireStatus::in_flight || std::chrono::steady_clock::now() >= deadline) return ar;
+      pause = wait_pause(ar, deadline, pause);
+    }
+  }
+
+  static millis wait_pause(const AcquireResult& ar, std::chrono::steady_clock::time_point deadline, millis pause) {
+    auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
+    millis sleep = std::min({pause, left, std::max(ar.retry_after, millis{1})});
+    if (sleep > millis{0}) std::this_thread::sleep_for(sleep);
+    return std::min(pause * 2, millis{200});
+  }
+
+  template <class R>
+  Outcome<R> not_acquired(std::string_view key, const std::string& fp, const AcquireResult& ar) {
+    Outcome<R> out;
+    out.attempt = ar.attempts;
+    switch (ar.status) {
+      case AcquireStatus::duplicate:
+        out.status = Status::duplicate;
+        out.value = decode<R>(key, ar.payload);
+        if (cache_) cache_->put(key, fp, ar.payload);
+        break;
+      case AcquireStatus::previously_failed:
+        out.status = Status::previously_failed;
+        out.error = ar.payload;
+        break;
+      case AcquireStatus::mismatch: out.status = Status::mismatch; break;
+      case AcquireStatus::in_flight:
+        out.status = Status::in_flight;
+        out.retry_after = ar.retry_after;
+        break;
+      case AcquireStatus::acquired: break;  // not reached: callers handle acquired themselves
+    }
+    return out;
+  }
+
+  template <class F>
+  decltype(auto) invoke(F& handler, const context_type& ctx) {
+    if constexpr (takes_context<F>)
+      return std::invoke(handler, ctx);
+    else
+      return std::invoke(handler);
+  }
+
+  template <class R>
+  static std::string encode(const R& v) {
+    try {
+      return std::string(codec<R>::encode(v));
+    } catch (const codec_error&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw codec_error(std::string("idem: codec<T>::encode threw: ") + e.what() +
+                        "; fix the codec, the result was not recorded");
+    } catch (...) {
+      throw codec_error("idem: codec<T>::encode threw a non-std exception; the result was not recorded");
+    }
+  }
+
+  // A stored value that cannot be read must never pass for a duplicate: it is reported as a
+  // corrupt record so the consumer stops instead of acking a message whose result is unknown.
+  template <class R>
+  static std::optional<typename Outcome<R>::value_type> decode(std::string_view key, std::string_view stored) {
+    if constexpr (std::is_void_v<R>) {
+      return std::monostate{};
+    } else {
+      try {
+        return codec<R>::decode(stored);
+      } catch (const std::exception& e) {
+        throw corrupt_record_error("idem: the stored result of key '" + std::string(key.substr(0, 64)) +
+                                   "' cannot be decoded (" + e.what() +
+                                   "); the record was written by another type or is damaged");
+      } catch (...) {
+        throw corrupt_record_error("idem: the stored result of key '" + std::string(key.substr(0, 64)) +
+                                   "' cannot be decoded");
+      }
+    }
+  }
+
+  static std::string describe(const std::exception_ptr& ep) {
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      return e.what();
+    } catch (...) {
+      return "non-std exception";
+    }
+  }
+
+  FailParams fail_params(std::uint32_t attempts, const std::string& text) const {
+    const FailurePolicy& p = options_.failure;
+    FailParams f;
+    f.error = text;
+    f.retention = options_.retention;
+    if (p.mode == FailureMode::release) {
+      f.release = true;
+      return f;
+    }
+    f.permanent = attempts >= p.max_attempts;
+    // backoff doubles per attempt: backoff, 2*backoff, 4*backoff ... capped at max_backoff.
+    std::int64_t b = p.backoff.count();
+    for (std::uint32_t i = 1; i < attempts && b < p.max_backoff.count(); ++i) b *= 2;
+    f.backoff = millis{std::min<std::int64_t>(b, p.max_backoff.count())};
+    return f;
+  }
+
+  // The handler's exception wins: a failure that cannot be recorded leaves the key in_progress
+  // until its lease lapses, which is safe (the next delivery takes it over).
+  void record_failure(std::string_view key, const Holder& h, std::uint32_t attempts, const std::exception_ptr& ep) {
+    if (options_.observer) options_.observer->on_handler_error(key, ep);
+    const std::string text = describe(ep);
+    try {
+      store_->fail(key, h, fail_params(attempts, text));
+    } catch (const std::exception& e) {
+      if (options_.observer) options_.observer->on_store_error(key, e);
+    }
+  }
+
+  // Extends the lease every lease/3 on its own thread while the handler runs; fires the stop token
+  // when the store says the lease is lost, or when no extension succeeded for a whole lease
+  // (the store is unreachable, so another holder may already have taken over).
+  class Heartbeat {
+  public:
+    Heartbeat(IdempotencyGuard& g, std::string_view key, const Holder& h, std::stop_source& stop) {
+      if (!g.options_.heartbeat) return;
+      thread_ = std::jthread([&g, key, h, &stop, this](std::stop_token self) {
+        const millis period = g.options_.lease / 3;
+        auto last_ok = std::chrono::steady_clock::now();
+        std::unique_lock lock(mu_);
+        for (;;) {
+          if (cv_.wait_for(lock, self, period, [] { return false; }), self.stop_requested()) return;
+          lock.unlock();
+          bool lost = false;
+          try {
+            if (g.store_->extend(key, h, g.options_.lease) == WriteStatus::ok)
+              last_ok = std::chrono::steady_clock::now();
+            else
+              lost = true;
+          } catch (const std::exception& e) {
+            if (g.options_.observer) g.options_.observer->on_store_error(key, e);
+            lost = std::chrono::steady_clock::now() - last_ok >= g.options_.lease;
+          }
+          if (lost) {
+            if (g.options_.observer) g.options_.observer->on_lease_lost(key, h.fence);
+            stop.request_stop();
+            return;
+          }
+          lock.lock();
+        }
+      });
+    }
+    Heartbeat(const Heartbeat&) = delete;
+    Heartbeat& operator=(const Heartbeat&) = delete;
+    ~Heartbeat() { stop(); }
+    void stop() {
+      if (thread_.joinable()) {
+        thread_.request_stop();
+        thread_.join();
+      }
+    }
+
+  private:
+    std::mutex mu_;
+    std::condition_variable_any cv_;
+    std::jthread thread_;
+  };
+
+  static std::string default_owner() {
+    char host[256] = {};
+    if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+    return std::string(host) + ":" + std::to_string(::getpid());
+  }
+
+  Store* store_;
+  GuardOptions options_;
+  std::unique_ptr<detail::LruCache> cache_;
+};
+
+}  // namespace idem

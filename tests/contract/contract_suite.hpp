@@ -1,0 +1,454 @@
+#pragma once
+// The store contract of DESIGN.md §1, written once and instantiated for every store:
+//
+//   struct MyFactory {
+//     using store_type = idem::MyStore;
+//     store_type& store();
+//     std::string key(std::string_view name);   // unique per test run
+//     void advance(idem::millis d);             // let store time pass (manual clock, or sleep)
+//     idem::millis short_lease() const;         // lease for takeover / expiry cases
+//     int race_threads() const; int race_keys() const; int race_rounds() const;
+//   };
+//   IDEM_CONTRACT_SUITE(MyFactory, "[mystore]")
+//
+// Each case is a function template here; the macro only names them, so Catch2 lists one CTest
+// test per transition and per invariant for every store.
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem/idem.hpp"
+
+namespace idem::contract {
+
+using namespace std::chrono_literals;
+
+inline AcquireParams params(std::uint64_t token, millis lease = 30s, std::string_view fp = {}) {
+  AcquireParams p;
+  p.lease = lease;
+  p.retention = std::max<millis>(lease * 4, 2s);
+  p.token = token;
+  p.fingerprint = fp;
+  p.owner = "contract";
+  return p;
+}
+
+template <class F>
+void acquire_fresh(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("fresh");
+  auto r = s.acquire(k, params(11, 30s, "fp-a"));
+  CHECK(r.status == AcquireStatus::acquired);
+  CHECK(r.holder.fence == 1);
+  CHECK(r.holder.token == 11);
+  CHECK(r.attempts == 1);
+  CHECK_FALSE(r.takeover);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == State::in_progress);
+  CHECK(rec->holder == r.holder);
+  CHECK(rec->fingerprint == "fp-a");
+  CHECK(rec->owner == "contract");
+  CHECK(rec->attempts == 1);
+}
+
+template <class F>
+void acquire_live_lease_is_in_flight(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("live");
+  REQUIRE(s.acquire(k, params(1, 30s)).status == AcquireStatus::acquired);
+  auto r = s.acquire(k, params(2, 30s));
+  CHECK(r.status == AcquireStatus::in_flight);
+  CHECK(r.retry_after > 0ms);
+  CHECK(r.retry_after <= 30s);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->holder == Holder{1, 1});  // the loser changed nothing
+}
+
+template <class F>
+void takeover_after_lapsed_lease(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("takeover");
+  const millis lease = f.short_lease();
+  REQUIRE(s.acquire(k, params(1, lease)).status == AcquireStatus::acquired);
+  f.advance(lease + lease / 2);
+  auto r = s.acquire(k, params(2, 30s));
+  CHECK(r.status == AcquireStatus::acquired);
+  CHECK(r.takeover);
+  CHECK(r.holder == Holder{2, 2});
+  CHECK(r.attempts == 2);
+  // Invariant 3: the taken-over holder can neither complete, fail nor extend.
+  CHECK(s.complete(k, Holder{1, 1}, "old", 60s) == WriteStatus::lease_lost);
+  FailParams fp;
+  fp.error = "old";
+  CHECK(s.fail(k, Holder{1, 1}, fp) == WriteStatus::lease_lost);
+  CHECK(s.extend(k, Holder{1, 1}, 30s) == WriteStatus::lease_lost);
+  CHECK(s.complete(k, r.holder, "new", 60s) == WriteStatus::ok);
+  auto d = s.acquire(k, params(3));
+  CHECK(d.status == AcquireStatus::duplicate);
+  CHECK(d.payload == "new");
+}
+
+template <class F>
+void complete_then_duplicate_replays(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("dup");
+  auto r = s.acquire(k, params(5));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  const std::string result("bin\0ary \r\n\"{x}\" \xc3\xa9", 20);
+  CHECK(s.complete(k, r.holder, result, 60s) == WriteStatus::ok);
+  for (std::uint64_t t = 6; t < 9; ++t) {
+    auto d = s.acquire(k, params(t));
+    CHECK(d.status == AcquireStatus::duplicate);
+    CHECK(d.payload == result);
+  }
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == State::completed);
+  CHECK(rec->result == result);
+}
+
+template <class F>
+void empty_result_round_trips(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("empty-result");
+  auto r = s.acquire(k, params(5));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  CHECK(s.complete(k, r.holder, "", 60s) == WriteStatus::ok);
+  auto d = s.acquire(k, params(6));
+  CHECK(d.status == AcquireStatus::duplicate);
+  CHECK(d.payload.empty());
+}
+
+template <class F>
+void completed_is_never_overwritten(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("final");
+  auto r = s.acquire(k, params(7));
+  REQUIRE(s.complete(k, r.holder, "first", 60s) == WriteStatus::ok);
+  CHECK(s.complete(k, r.holder, "second", 60s) == WriteStatus::lease_lost);
+  FailParams fp;
+  fp.error = "late failure";
+  CHECK(s.fail(k, r.holder, fp) == WriteStatus::lease_lost);
+  CHECK(s.extend(k, r.holder, 30s) == WriteStatus::lease_lost);
+  f.advance(f.short_lease() * 2);  // a lapsed "lease" must not reopen a completed record
+  auto d = s.acquire(k, params(8, f.short_lease()));
+  CHECK(d.status == AcquireStatus::duplicate);
+  CHECK(d.payload == "first");
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == State::completed);
+  CHECK(rec->holder == r.holder);
+}
+
+template <class F>
+void wrong_holder_cannot_write(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("holder");
+  auto r = s.acquire(k, params(42));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  CHECK(s.complete(k, Holder{r.holder.fence, 43}, "x", 60s) == WriteStatus::lease_lost);
+  CHECK(s.complete(k, Holder{r.holder.fence + 1, 42}, "x", 60s) == WriteStatus::lease_lost);
+  FailParams fp;
+  fp.error = "x";
+  CHECK(s.fail(k, Holder{r.holder.fence, 43}, fp) == WriteStatus::lease_lost);
+  CHECK(s.extend(k, Holder{r.holder.fence, 43}, 30s) == WriteStatus::lease_lost);
+  CHECK(s.complete(f.key("never-seen"), Holder{1, 42}, "x", 60s) == WriteStatus::lease_lost);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == State::in_progress);
+  CHECK(rec->holder == r.holder);
+}
+
+template <class F>
+void extend_keeps_the_lease(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("extend");
+  const millis lease = f.short_lease();
+  auto r = s.acquire(k, params(1, lease));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  for (int i = 0; i < 3; ++i) {
+    f.advance(lease / 2);
+    REQUIRE(s.extend(k, r.holder, lease) == WriteStatus::ok);
+  }
+  // 1.5 leases have passed since acquire, but the heartbeat kept it: a rival is still in flight.
+  CHECK(s.acquire(k, params(2, lease)).status == AcquireStatus::in_flight);
+  CHECK(s.complete(k, r.holder, "done", 60s) == WriteStatus::ok);
+}
+
+template <class F>
+void release_frees_the_key_and_fence_grows(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("release");
+  auto r1 = s.acquire(k, params(1));
+  FailParams fp;
+  fp.error = "transient";
+  fp.release = true;
+  fp.retention = 60s;
+  REQUIRE(s.fail(k, r1.holder, fp) == WriteStatus::ok);
+  auto r2 = s.acquire(k, params(2));
+  CHECK(r2.status == AcquireStatus::acquired);
+  CHECK(r2.holder.fence == r1.holder.fence + 1);
+  CHECK(r2.attempts == 2);
+  CHECK_FALSE(r2.takeover);
+  // The released holder cannot complete over its successor.
+  CHECK(s.complete(k, r1.holder, "stale", 60s) == WriteStatus::lease_lost);
+  CHECK(s.complete(k, r2.holder, "ok", 60s) == WriteStatus::ok);
+}
+
+template <class F>
+void record_policy_backs_off_then_retries(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("backoff");
+  const millis backoff = f.short_lease();
+  auto r1 = s.acquire(k, params(1));
+  FailParams fp;
+  fp.error = "db timeout";
+  fp.backoff = backoff;
+  fp.retention = 60s;
+  REQUIRE(s.fail(k, r1.holder, fp) == WriteStatus::ok);
+  auto busy = s.acquire(k, params(2));
+  CHECK(busy.status == AcquireStatus::in_flight);
+  CHECK(busy.retry_after > 0ms);
+  CHECK(busy.retry_after <= backoff);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == State::failed);
+  CHECK(rec->error == "db timeout");
+  f.advance(backoff + backoff / 2);
+  auto r2 = s.acquire(k, params(3));
+  CHECK(r2.status == AcquireStatus::acquired);
+  CHECK(r2.holder.fence == 2);
+  CHECK(r2.attempts == 2);
+}
+
+template <class F>
+void permanent_failure_is_replayed(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("permanent");
+  auto r = s.acquire(k, params(1));
+  FailParams fp;
+  fp.error = "card declined";
+  fp.permanent = true;
+  fp.retention = 60s;
+  REQUIRE(s.fail(k, r.holder, fp) == WriteStatus::ok);
+  auto again = s.acquire(k, params(2));
+  CHECK(again.status == AcquireStatus::previously_failed);
+  CHECK(again.payload == "card declined");
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == State::failed);
+  CHECK(rec->permanent);
+  CHECK(rec->holder == r.holder);
+}
+
+template <class F>
+void mismatch_changes_nothing(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("mismatch");
+  auto r = s.acquire(k, params(1, 30s, "fp-one"));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  auto before = s.inspect(k);
+  auto m = s.acquire(k, params(2, 30s, "fp-two"));
+  CHECK(m.status == AcquireStatus::mismatch);
+  auto after = s.inspect(k);
+  REQUIRE(before);
+  REQUIRE(after);
+  CHECK(after->holder == before->holder);
+  CHECK(after->fingerprint == "fp-one");
+  CHECK(after->lease_until_ms == before->lease_until_ms);
+  CHECK(after->attempts == before->attempts);
+  REQUIRE(s.complete(k, r.holder, "done", 60s) == WriteStatus::ok);
+  CHECK(s.acquire(k, params(3, 30s, "fp-two")).status == AcquireStatus::mismatch);
+  auto d = s.acquire(k, params(4, 30s, "fp-one"));
+  CHECK(d.status == AcquireStatus::duplicate);
+  CHECK(d.payload == "done");
+  // A delivery without a fingerprint is not checked.
+  CHECK(s.acquire(k, params(5)).status == AcquireStatus::duplicate);
+}
+
+template <class F>
+void retention_expiry_forgets_and_token_fences(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("expiry");
+  const millis lease = f.short_lease();
+  AcquireParams p = params(1, lease);
+  p.retention = lease;
+  auto r1 = s.acquire(k, p);
+  REQUIRE(r1.status == AcquireStatus::acquired);
+  f.advance(lease * 2);
+  CHECK_FALSE(s.inspect(k).has_value());
+  AcquireParams p2 = params(2, 30s);
+  auto r2 = s.acquire(k, p2);
+  CHECK(r2.status == AcquireStatus::acquired);
+  // The record was recreated, so the fence may restart; the token still tells the holders apart.
+  CHECK(s.complete(k, Holder{r2.holder.fence, 1}, "paused holder", 60s) == WriteStatus::lease_lost);
+  CHECK(s.complete(k, r2.holder, "fresh", 60s) == WriteStatus::ok);
+  // A completed record expires after its retention too.
+  const auto k2 = f.key("expiry-completed");
+  auto c = s.acquire(k2, params(3, lease));
+  REQUIRE(s.complete(k2, c.holder, "v", lease) == WriteStatus::ok);
+  CHECK(s.acquire(k2, params(4)).status == AcquireStatus::duplicate);
+  f.advance(lease * 2);
+  CHECK_FALSE(s.inspect(k2).has_value());
+  auto again = s.acquire(k2, params(5));
+  CHECK(again.status == AcquireStatus::acquired);
+  CHECK(again.attempts == 1);
+}
+
+template <class F>
+void bad_input_is_rejected(F& f) {
+  auto& s = f.store();
+  const auto k = f.key("bad");
+  CHECK_THROWS_AS(s.acquire("", params(1)), invalid_key_error);
+  CHECK_THROWS_AS(s.acquire(k, params(0)), invalid_options_error);
+  CHECK_THROWS_AS(s.acquire(k, params(1, 0ms)), invalid_options_error);
+  AcquireParams p = params(1, 10s);
+  p.retention = 1s;
+  CHECK_THROWS_AS(s.acquire(k, p), invalid_options_error);
+  CHECK_THROWS_AS(s.complete(k, Holder{0, 1}, "x", 1s), invalid_options_error);
+  CHECK_THROWS_AS(s.complete(k, Holder{1, 0}, "x", 1s), invalid_options_error);
+  CHECK_FALSE(s.inspect(k).has_value());  // nothing was written by the rejected calls
+}
+
+template <class F>
+void concurrent_acquire_has_one_winner(F& f) {
+  auto& s = f.store();
+  const int threads = std::max(2, f.race_threads());
+  for (int round = 0; round < 20; ++round) {
+    const auto k = f.key("one-winner-" + std::to_string(round));
+    std::atomic<int> winners{0}, ready{0};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t) {
+      ts.emplace_back([&, t] {
+        ready.fetch_add(1);
+        while (ready.load() < threads) std::this_thread::yield();
+        auto r = s.acquire(k, params(static_cast<std::uint64_t>(t + 1)));
+        if (r.status == AcquireStatus::acquired) winners.fetch_add(1);
+      });
+    }
+    for (auto& t : ts) t.join();
+    CHECK(winners.load() == 1);
+  }
+}
+
+// Invariant 1 through the guard: race_threads threads x race_keys keys x race_rounds rounds, every
+// thread walking the keys in its own order; each key's handler must run exactly once.
+template <class F>
+void guard_race_exactly_once(F& f) {
+  auto& s = f.store();
+  const int threads = f.race_threads(), keys = f.race_keys(), rounds = f.race_rounds();
+  std::vector<std::string> names;
+  for (int i = 0; i < keys; ++i) names.push_back(f.key("race-" + std::to_string(i)));
+  std::vector<std::atomic<int>> runs(static_cast<std::size_t>(keys));
+  GuardOptions o;
+  o.lease = 30s;
+  o.retention = 600s;
+  IdempotencyGuard guard(s, o);
+  std::atomic<long> executed{0}, duplicates{0}, in_flight{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      std::vector<int> order(static_cast<std::size_t>(keys));
+      for (int i = 0; i < keys; ++i) order[static_cast<std::size_t>(i)] = i;
+      std::mt19937 rng(static_cast<unsigned>(t * 7919 + 1));
+      for (int round = 0; round < rounds; ++round) {
+        std::shuffle(order.begin(), order.end(), rng);
+        for (int i : order) {
+          auto out = guard.run(names[static_cast<std::size_t>(i)], [&] {
+            runs[static_cast<std::size_t>(i)].fetch_add(1);
+            return i;
+          });
+          switch (out.status) {
+            case Status::executed: executed.fetch_add(1); break;
+            case Status::duplicate:
+              duplicates.fetch_add(1);
+              if (*out.value != i) runs[static_cast<std::size_t>(i)].fetch_add(1000);  // wrong replay
+              break;
+            case Status::in_flight: in_flight.fetch_add(1); break;
+            default: runs[static_cast<std::size_t>(i)].fetch_add(1000); break;
+          }
+        }
+      }
+    });
+  }
+  for (auto& t : ts) t.join();
+  int wrong = 0;
+  for (auto& r : runs) wrong += r.load() != 1;
+  CHECK(wrong == 0);
+  CHECK(executed.load() == keys);
+  CHECK(executed.load() + duplicates.load() + in_flight.load() == static_cast<long>(threads) * keys * rounds);
+}
+
+template <class F>
+void guard_replays_and_records_failures(F& f) {
+  auto& s = f.store();
+  GuardOptions o;
+  o.lease = 30s;
+  o.retention = 600s;
+  o.failure.mode = FailureMode::record;
+  o.failure.max_attempts = 2;
+  o.failure.backoff = 1ms;
+  o.failure.max_backoff = 1ms;
+  IdempotencyGuard guard(s, o);
+  const auto k = f.key("guard-fail");
+  int calls = 0;
+  auto boom = [&]() -> int {
+    ++calls;
+    throw std::runtime_error("downstream said no");
+  };
+  CHECK_THROWS_WITH(guard.run(k, boom), "downstream said no");
+  f.advance(20ms);
+  CHECK_THROWS_WITH(guard.run(k, boom), "downstream said no");
+  auto out = guard.run(k, boom);
+  CHECK(out.status == Status::previously_failed);
+  CHECK(out.error == "downstream said no");
+  CHECK(out.action() == BrokerAction::dead_letter);
+  CHECK(calls == 2);
+
+  const auto k2 = f.key("guard-ok");
+  auto first = guard.run(k2, [](const Context& ctx) { return std::to_string(ctx.fence) + "/" + std::to_string(ctx.attempt); });
+  CHECK(first.status == Status::executed);
+  auto second = guard.run(k2, []() -> std::string { return "never"; });
+  CHECK(second.status == Status::duplicate);
+  CHECK(*second.value == "1/1");
+}
+
+}  // namespace idem::contract
+
+#define IDEM_CONTRACT_CASE_(Factory, tag, name, fn) \
+  TEST_CASE("contract: " name, tag "[contract]") {  \
+    Factory f;                                      \
+    ::idem::contract::fn(f);                        \
+  }
+
+/// Instantiates the whole store contract for Factory; tag is a Catch2 tag such as "[memory]".
+#define IDEM_CONTRACT_SUITE(Factory, tag)                                                                      \
+  IDEM_CONTRACT_CASE_(Factory, tag, "acquire of a new key", acquire_fresh)                                     \
+  IDEM_CONTRACT_CASE_(Factory, tag, "live lease answers in_flight", acquire_live_lease_is_in_flight)           \
+  IDEM_CONTRACT_CASE_(Factory, tag, "lapsed lease is taken over with fence+1", takeover_after_lapsed_lease)    \
+  IDEM_CONTRACT_CASE_(Factory, tag, "completed key replays its result", complete_then_duplicate_replays)       \
+  IDEM_CONTRACT_CASE_(Factory, tag, "empty result round-trips", empty_result_round_trips)                      \
+  IDEM_CONTRACT_CASE_(Factory, tag, "completed record is never overwritten", completed_is_never_overwritten)   \
+  IDEM_CONTRACT_CASE_(Factory, tag, "wrong holder cannot complete fail or extend", wrong_holder_cannot_write)  \
+  IDEM_CONTRACT_CASE_(Factory, tag, "extend keeps the lease", extend_keeps_the_lease)                          \
+  IDEM_CONTRACT_CASE_(Factory, tag, "release frees the key and the fence grows",                               \
+                      release_frees_the_key_and_fence_grows)                                                   \
+  IDEM_CONTRACT_CASE_(Factory, tag, "record policy backs off then retries", record_policy_backs_off_then_retries) \
+  IDEM_CONTRACT_CASE_(Factory, tag, "permanent failure is replayed", permanent_failure_is_replayed)             \
+  IDEM_CONTRACT_CASE_(Factory, tag, "fingerprint mismatch changes nothing", mismatch_changes_nothing)          \
+  IDEM_CONTRACT_CASE_(Factory, tag, "retention expiry forgets and the token fences",                           \
+                      retention_expiry_forgets_and_token_fences)                                               \
+  IDEM_CONTRACT_CASE_(Factory, tag, "bad input is rejected", bad_input_is_rejected)                            \
+  IDEM_CONTRACT_CASE_(Factory, tag, "concurrent acquire has one winner", concurrent_acquire_has_one_winner)    \
+  IDEM_CONTRACT_CASE_(Factory, tag, "guard race: each key runs exactly once", guard_race_exactly_once)         \
+  IDEM_CONTRACT_CASE_(Factory, tag, "guard replays results and records failures",                              \
+                      guard_replays_and_records_failures)
