@@ -123,7 +123,8 @@ private:
     static_assert(std::is_void_v<R> || Encodable<R>,
                   "idem: the handler's result type needs an idem::codec<T> specialisation (see codec.hpp)");
     detail::check_key(key, options_.max_key_bytes);
-    const auto started = std::chrono::steady_clock::now();
+    // The clock is read only for an observer: a clock read is a visible share of a memory-store run.
+    const auto started = options_.observer ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     Outcome<R> out;
     try {
       out = decide<R>(key, fp, handler);
@@ -173,7 +174,9 @@ private:
     out.attempt = ar.attempts;
     out.takeover = ar.takeover;
 
-    std::stop_source stop;
+    // A stop_source allocates its shared state; only the heartbeat can fire it, so without a
+    // heartbeat the handler gets a token that can never stop.
+    std::stop_source stop = options_.heartbeat ? std::stop_source{} : std::stop_source{std::nostopstate};
     context_type ctx{key, holder.fence, ar.attempts, ar.takeover, stop.get_token(), nullptr};
     std::string encoded;
     {
@@ -219,7 +222,7 @@ private:
       out.fence = ar.holder.fence;
       out.attempt = ar.attempts;
       out.takeover = ar.takeover;
-      std::stop_source stop;
+      std::stop_source stop{std::nostopstate};  // no heartbeat in transactional mode: the row lock is the lease
       context_type ctx{key, ar.holder.fence, ar.attempts, ar.takeover, stop.get_token(), &tx};
       std::string encoded;
       try {
@@ -260,6 +263,8 @@ private:
   // or the caller's bound), so a redelivery that races the first delivery can still answer
   // Duplicate instead of InFlight.
   AcquireResult acquire_waiting(std::string_view key, AcquireParams& ap) {
+    ap.token = detail::random_token();
+    if (options_.wait_for_in_flight == millis{0}) return store_->acquire(key, ap);
     const auto deadline = std::chrono::steady_clock::now() + options_.wait_for_in_flight;
     millis pause{10};
     for (;;) {

@@ -1,0 +1,35 @@
+# Shared by scripts/*: install what is missing (Debian 12, apt), nothing else.
+# shellcheck shell=bash
+
+idem_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# ensure_packages PKG... — apt-get install the ones dpkg does not report as installed.
+ensure_packages() {
+  local missing=()
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    echo "== installing: ${missing[*]}"
+    local sudo=()
+    [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+    export DEBIAN_FRONTEND=noninteractive
+    "${sudo[@]}" apt-get update -qq
+    # policy-rc.d keeps freshly installed servers (redis, postgresql, rabbitmq) from being started
+    # as system services: the tests start their own instances on free loopback ports.
+    local policy=/usr/sbin/policy-rc.d created_policy=0
+    if [[ ! -e $policy && $(id -u) -eq 0 ]]; then
+      printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy" && created_policy=1
+    fi
+    "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" || {
+      ((created_policy)) && rm -f "$policy"
+      return 1
+    }
+    ((created_policy)) && rm -f "$policy"
+  fi
+  return 0
+}
+
+core_packages=(cmake ninja-build g++ pkg-config libssl-dev)
+all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev redis-server redis-tools
+              postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps)
