@@ -103,7 +103,8 @@ void complete_then_duplicate_replays(F& f) {
   const auto k = f.key("dup");
   auto r = s.acquire(k, params(5));
   REQUIRE(r.status == AcquireStatus::acquired);
-  const std::string result("bin\0ary \r\n\"{x}\" \xc3\xa9", 20);
+  static constexpr char raw[] = "bin\0ary \r\n\"{x}\" \xc3\xa9";
+  const std::string result(raw, sizeof raw - 1);  // NUL, CR/LF, quotes, braces, UTF-8
   CHECK(s.complete(k, r.holder, result, 60s) == WriteStatus::ok);
   for (std::uint64_t t = 6; t < 9; ++t) {
     auto d = s.acquire(k, params(t));
