@@ -44,20 +44,26 @@ struct tx_of<S, std::void_t<typename S::transaction>> {
 };
 }  // namespace detail
 
-/// What a handler may learn about its run; pass `const Context&` as the handler's only parameter.
-/// Tx is the store's transaction type in transactional mode (PostgresStore), else void.
-template <class Tx = void>
-struct BasicContext {
+/// What a handler may learn about its run; take `const idem::Context&` as the handler's only
+/// parameter (or none at all). Works with every store.
+struct Context {
   std::string_view key;        ///< the idempotency key
   std::uint64_t fence = 0;     ///< fencing token: grows on every acquire of this key; pass it downstream
   std::uint32_t attempt = 0;   ///< times the key has been acquired, this run included
   bool takeover = false;       ///< this run took over a holder whose lease lapsed
   std::stop_token stop;        ///< fires when the heartbeat finds the lease lost: stop and return
-  Tx* tx = nullptr;            ///< transactional mode: the open transaction to write through; else null
 };
 
-/// The context of handlers on stores without a transactional mode.
-using Context = BasicContext<void>;
+/// The context on a store with a transactional mode (PostgresStore): a Context plus the open
+/// transaction to write through (null in lease mode). A handler may take either type.
+template <class Tx = void>
+struct BasicContext : Context {
+  Tx* tx = nullptr;  ///< transactional mode: the open transaction; lease mode: null
+};
+
+/// Stores without transactions hand out the plain Context.
+template <>
+struct BasicContext<void> : Context {};
 
 /**
  * Wraps a message handler so that its effect happens once per idempotency key, on a StateStore.
@@ -77,7 +83,8 @@ template <StateStore Store>
 class IdempotencyGuard {
 public:
   /// The context type handlers of this guard receive.
-  using context_type = BasicContext<typename detail::tx_of<Store>::type>;
+  using context_type = std::conditional_t<std::is_void_v<typename detail::tx_of<Store>::type>, Context,
+                                          BasicContext<typename detail::tx_of<Store>::type>>;
 
   /// Binds to `store` (not owned); throws invalid_options_error when the options cannot work.
   explicit IdempotencyGuard(Store& store, GuardOptions options = {})
@@ -177,7 +184,8 @@ private:
     // A stop_source allocates its shared state; only the heartbeat can fire it, so without a
     // heartbeat the handler gets a token that can never stop.
     std::stop_source stop = options_.heartbeat ? std::stop_source{} : std::stop_source{std::nostopstate};
-    context_type ctx{key, holder.fence, ar.attempts, ar.takeover, stop.get_token(), nullptr};
+    context_type ctx{};
+    fill_context(ctx, key, ar, stop);
     std::string encoded;
     {
       Heartbeat hb(*this, key, holder, stop);
@@ -223,7 +231,9 @@ private:
       out.attempt = ar.attempts;
       out.takeover = ar.takeover;
       std::stop_source stop{std::nostopstate};  // no heartbeat in transactional mode: the row lock is the lease
-      context_type ctx{key, ar.holder.fence, ar.attempts, ar.takeover, stop.get_token(), &tx};
+      context_type ctx{};
+      fill_context(ctx, key, ar, stop);
+      ctx.tx = &tx;
       std::string encoded;
       try {
         if constexpr (std::is_void_v<R>) {
@@ -248,6 +258,14 @@ private:
       if (ws == WriteStatus::ok && cache_) cache_->put(key, fp, encoded);
       return out;
     }
+  }
+
+  static void fill_context(Context& ctx, std::string_view key, const AcquireResult& ar, const std::stop_source& stop) {
+    ctx.key = key;
+    ctx.fence = ar.holder.fence;
+    ctx.attempt = ar.attempts;
+    ctx.takeover = ar.takeover;
+    ctx.stop = stop.get_token();
   }
 
   bool use_transactions() const {

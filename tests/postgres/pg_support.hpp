@@ -1,0 +1,105 @@
+#pragma once
+// Test support for PostgresStore: the fixture server's conninfo, raw SQL, unique names, and the
+// factory the contract suite instantiates.
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <type_traits>
+#include <optional>
+
+#include <libpq-fe.h>
+
+#include "idem/guard.hpp"
+#include "idem/postgres_store.hpp"
+
+namespace pgtest {
+
+// The CTest fixture (pg_cluster.sh start) writes the conninfo of the shared server to a file whose
+// path is compiled in (IDEM_PG_CONNINFO_FILE overrides it). No server is a failure, never a skip.
+inline std::string conninfo() {
+  const char* file = std::getenv("IDEM_PG_CONNINFO_FILE");
+  if (!file || !*file) file = IDEM_PG_CONNINFO_FILE_DEFAULT;
+  std::ifstream in(file);
+  std::string line;
+  if (!in || !std::getline(in, line) || line.empty())
+    throw std::runtime_error(std::string("no conninfo in ") + file + ": the PostgreSQL fixture did not start");
+  return line;
+}
+
+inline std::string random_hex(int n = 12) {
+  static thread_local std::mt19937_64 rng{std::random_device{}()};
+  static constexpr char digits[] = "0123456789abcdef";
+  std::string s;
+  for (int i = 0; i < n; ++i) s += digits[rng() % 16];
+  return s;
+}
+
+// A plain libpq connection for setup and for poking at rows behind the store's back.
+class Raw {
+public:
+  explicit Raw(const std::string& ci = conninfo()) : c_(PQconnectdb(ci.c_str())) {
+    if (PQstatus(c_) != CONNECTION_OK) {
+      std::string m = PQerrorMessage(c_);
+      PQfinish(c_);
+      throw std::runtime_error("raw connect failed: " + m);
+    }
+  }
+  Raw(const Raw&) = delete;
+  Raw& operator=(const Raw&) = delete;
+  ~Raw() { PQfinish(c_); }
+  idem::PgResult exec(const std::string& sql) {
+    idem::PgResult r(PQexec(c_, sql.c_str()));
+    auto st = PQresultStatus(r.native());
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
+      throw std::runtime_error("raw sql failed: " + sql + ": " + PQresultErrorMessage(r.native()));
+    return r;
+  }
+  std::string scalar(const std::string& sql) {
+    auto r = exec(sql);
+    return r.rows() ? std::string(r.get(0, 0)) : std::string();
+  }
+  PGconn* get() const { return c_; }
+
+private:
+  PGconn* c_;
+};
+
+inline idem::PostgresOptions options(idem::PgMode mode = idem::PgMode::lease) {
+  idem::PostgresOptions o;
+  o.conninfo = conninfo();
+  o.schema = "idem_test";
+  o.table = "records";
+  o.mode = mode;
+  o.pool_size = 16;
+  return o;
+}
+
+// Handlers written for any store (`const idem::Context&`) must work on PostgresStore too.
+static_assert(std::is_convertible_v<const idem::IdempotencyGuard<idem::PostgresStore>::context_type&,
+                                    const idem::Context&>);
+
+// Factory of the contract suite (lease mode) on the shared fixture server.
+struct PgFactory {
+  using store_type = idem::PostgresStore;
+  PgFactory() : store_(options()), prefix_("c" + random_hex() + ":") {}
+  store_type& store() { return store_; }
+  std::string key(std::string_view name) { return prefix_ + std::string(name); }
+  void advance(idem::millis d) { std::this_thread::sleep_for(d); }
+  idem::millis short_lease() const { return idem::millis{200}; }
+  int race_threads() const { return 8; }
+  int race_keys() const { return 20; }
+  int race_rounds() const { return 3; }
+
+private:
+  store_type store_;
+  std::string prefix_;
+};
+
+}  // namespace pgtest

@@ -1,0 +1,265 @@
+// PostgresStore across processes: many consumers on the same keys, a consumer killed mid-handler,
+// a paused lease holder, and a server restart. Children are fork+exec'd (posix_spawn) helpers.
+#include <catch2/catch.hpp>
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem/idem.hpp"
+#include "idem/postgres_store.hpp"
+#include "pg_support.hpp"
+
+extern char** environ;
+
+using namespace std::chrono_literals;
+
+namespace {
+
+// A spawned child with a pipe to its stdin and one from its stdout; killed if still running.
+class Child {
+public:
+  explicit Child(const std::vector<std::string>& args) {
+    int in[2], out[2];
+    REQUIRE(::pipe2(in, O_CLOEXEC) == 0);
+    REQUIRE(::pipe2(out, O_CLOEXEC) == 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, in[0], 0);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 1);
+    std::vector<char*> argv;
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const int rc = ::posix_spawn(&pid_, argv[0], &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    ::close(in[0]);
+    ::close(out[1]);
+    to_ = in[1];
+    from_ = out[0];
+    REQUIRE(rc == 0);
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+  ~Child() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      ::kill(pid_, SIGCONT);
+      ::waitpid(pid_, nullptr, 0);
+    }
+    if (to_ >= 0) ::close(to_);
+    if (from_ >= 0) ::close(from_);
+  }
+  pid_t pid() const { return pid_; }
+  void signal(int sig) { ::kill(pid_, sig); }
+  void write_line(const std::string& s) {
+    const std::string l = s + "\n";
+    REQUIRE(::write(to_, l.data(), l.size()) == static_cast<ssize_t>(l.size()));
+  }
+  // The next line of the child's stdout, or "" on EOF / timeout.
+  std::string read_line(std::chrono::milliseconds timeout = 30s) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      auto nl = buf_.find('\n');
+      if (nl != std::string::npos) {
+        std::string line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        return line;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left <= 0ms) return "";
+      pollfd p{from_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
+      char tmp[512];
+      const ssize_t n = ::read(from_, tmp, sizeof tmp);
+      if (n <= 0) return "";
+      buf_.append(tmp, static_cast<std::size_t>(n));
+    }
+  }
+  // Exit status (or -signal), waiting at most `timeout`; kills the child on timeout.
+  int wait(std::chrono::milliseconds timeout = 60s) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    int st = 0;
+    for (;;) {
+      const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) break;
+      if (std::chrono::steady_clock::now() >= deadline) {
+        ::kill(pid_, SIGKILL);
+        ::waitpid(pid_, &st, 0);
+        pid_ = -1;
+        return -1000;
+      }
+      std::this_thread::sleep_for(10ms);
+    }
+    pid_ = -1;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
+  }
+
+private:
+  pid_t pid_ = -1;
+  int to_ = -1, from_ = -1;
+  std::string buf_;
+};
+
+int run_script(const std::vector<std::string>& args) {
+  std::vector<std::string> a{"/bin/sh", IDEM_PG_CLUSTER_SCRIPT};
+  a.insert(a.end(), args.begin(), args.end());
+  Child c(a);
+  return c.wait(120s);
+}
+
+}  // namespace
+
+TEST_CASE("postgres: 8 processes on the same keys, transactional: each key once, the sum exact",
+          "[postgres][process][tx]") {
+  pgtest::Raw raw;
+  const std::string t = "bal_" + pgtest::random_hex(8);
+  raw.exec("CREATE TABLE " + t + " (id int PRIMARY KEY, balance bigint NOT NULL); INSERT INTO " + t +
+           " VALUES (1, 0); CREATE TABLE " + t + "_applied (key text PRIMARY KEY, fence bigint NOT NULL)");
+  idem::PostgresStore(pgtest::options()).migrate();  // so the children do not all race to create it
+  const int procs = 8, keys = 40;
+  const std::string prefix = "p" + pgtest::random_hex() + ":";
+  std::vector<std::unique_ptr<Child>> kids;
+  for (int i = 0; i < procs; ++i)
+    kids.push_back(std::make_unique<Child>(std::vector<std::string>{
+        IDEM_PG_WORKER, "tx-increment", pgtest::conninfo(), t, prefix, std::to_string(keys), std::to_string(i + 1)}));
+  int executed = 0;
+  for (auto& k : kids) {
+    const std::string line = k->read_line(90s);
+    INFO("child said: " << line);
+    REQUIRE(line.rfind("executed ", 0) == 0);
+    executed += std::stoi(line.substr(9));
+    CHECK(k->wait() == 0);
+  }
+  CHECK(executed == keys);
+  CHECK(raw.scalar("SELECT balance FROM " + t + " WHERE id = 1") == std::to_string(keys));
+  CHECK(raw.scalar("SELECT count(*) FROM " + t + "_applied") == std::to_string(keys));
+  CHECK(raw.scalar("SELECT count(*) FROM idem_test.records WHERE key::text LIKE '%' AND state = 2 AND "
+                   "position(convert_to('" + prefix + "', 'UTF8') in key) = 1") == std::to_string(keys));
+  raw.exec("DROP TABLE " + t + ", " + t + "_applied");
+}
+
+TEST_CASE("postgres: a consumer SIGKILLed mid-handler commits nothing, and redelivery runs cleanly",
+          "[postgres][process][tx]") {
+  pgtest::Raw raw;
+  const std::string t = "kill_" + pgtest::random_hex(8);
+  raw.exec("CREATE TABLE " + t + " (id text PRIMARY KEY)");
+  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  s.migrate();
+  const std::string k = "k" + pgtest::random_hex() + ":killed";
+  Child c({IDEM_PG_WORKER, "tx-hang", pgtest::conninfo(), t, k});
+  REQUIRE(c.read_line() == "ready");
+  c.signal(SIGKILL);
+  CHECK(c.wait() == -SIGKILL);
+  CHECK_FALSE(s.inspect(k).has_value());
+  CHECK(raw.scalar("SELECT count(*) FROM " + t) == "0");
+  idem::GuardOptions go;
+  go.wait_for_in_flight = 10s;  // the server notices the dead client within moments
+  idem::IdempotencyGuard g(s, go);
+  auto out = g.run(k, [&](const auto& ctx) {
+    ctx.tx->exec("INSERT INTO " + t + " (id) VALUES ($1)", k);
+    return ctx.attempt;
+  });
+  CHECK(out.status == idem::Status::executed);
+  CHECK(*out.value == 1u);  // the killed attempt left no trace, not even in attempts
+  CHECK(raw.scalar("SELECT count(*) FROM " + t) == "1");
+  raw.exec("DROP TABLE " + t);
+}
+
+TEST_CASE("postgres: a SIGSTOPped lease holder gets lease_lost after a takeover", "[postgres][process]") {
+  idem::PostgresStore s(pgtest::options());
+  s.migrate();
+  const std::string k = "k" + pgtest::random_hex() + ":paused";
+  Child c({IDEM_PG_WORKER, "lease-hold", pgtest::conninfo(), k, "300"});
+  REQUIRE(c.read_line() == "ready 1");
+  c.signal(SIGSTOP);
+  std::this_thread::sleep_for(450ms);
+  idem::IdempotencyGuard g(s, {.lease = 30s, .retention = 600s});
+  auto out = g.run(k, [](const auto& ctx) {
+    CHECK(ctx.takeover);
+    return std::string("from-taker");
+  });
+  CHECK(out.status == idem::Status::executed);
+  CHECK(out.fence == 2);
+  c.signal(SIGCONT);
+  c.write_line("go");
+  CHECK(c.read_line() == "lease_lost");
+  CHECK(c.wait() == 0);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->result == "from-taker");
+}
+
+TEST_CASE("postgres: a paused transactional holder loses its claim after one idle lease", "[postgres][process][tx]") {
+  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  s.migrate();
+  const std::string k = "k" + pgtest::random_hex() + ":tx-paused";
+  Child c({IDEM_PG_WORKER, "tx-hold", pgtest::conninfo(), k, "300"});
+  REQUIRE(c.read_line() == "ready 1");
+  c.signal(SIGSTOP);
+  idem::GuardOptions go;
+  go.wait_for_in_flight = 5s;  // the server ends the paused session after 300 ms idle in transaction
+  idem::IdempotencyGuard g(s, go);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto out = g.run(k, [](const auto&) { return std::string("from-taker"); });
+  CHECK(out.status == idem::Status::executed);
+  CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+  c.signal(SIGCONT);
+  c.write_line("go");
+  CHECK(c.read_line() == "lease_lost");
+  CHECK(c.wait() == 0);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->result == "from-taker");
+}
+
+TEST_CASE("postgres: after a server restart the pool recovers", "[postgres][process][fault]") {
+  const std::string state = std::string(IDEM_PG_CONNINFO_FILE_DEFAULT) + ".restart-" + pgtest::random_hex(6);
+  REQUIRE(run_script({"start", state}) == 0);
+  struct Stop {
+    std::string st;
+    ~Stop() { run_script({"stop", st}); }
+  } stop{state};
+  std::string ci;
+  {
+    std::ifstream in(state + "/conninfo");
+    std::getline(in, ci);
+  }
+  REQUIRE_FALSE(ci.empty());
+  auto o = pgtest::options();
+  o.conninfo = ci;
+  o.pool_size = 2;
+  idem::PostgresStore s(o);
+  idem::AcquireParams p;
+  p.lease = 30s;
+  p.retention = 600s;
+  p.token = 1;
+  auto a = s.acquire("restart-key", p);
+  REQUIRE(a.status == idem::AcquireStatus::acquired);
+  REQUIRE(run_script({"restart", state}) == 0);
+  int failures = 0;
+  idem::WriteStatus ws = idem::WriteStatus::lease_lost;
+  for (int i = 0; i < 3; ++i) {
+    try {
+      ws = s.complete("restart-key", a.holder, "after restart", 600s);
+      break;
+    } catch (const idem::connection_error& e) {
+      CHECK(e.retryable());
+      ++failures;
+    }
+  }
+  CHECK(failures <= 1);
+  CHECK(ws == idem::WriteStatus::ok);
+  p.token = 2;
+  auto d = s.acquire("restart-key", p);
+  CHECK(d.status == idem::AcquireStatus::duplicate);
+  CHECK(d.payload == "after restart");
+}
