@@ -11,5 +11,6 @@
 #include "idem/options.hpp"
 #include "idem/outcome.hpp"
 #include "idem/record.hpp"
+#include "idem/sequence.hpp"
 #include "idem/store.hpp"
 #include "idem/version.hpp"

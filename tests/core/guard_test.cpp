@@ -154,13 +154,15 @@ TEST_CASE("a holder taken over mid-handler gets lease_lost and its result is not
 TEST_CASE("heartbeat keeps a long handler's lease", "[guard][heartbeat]") {
   idem::MemoryStore store;  // steady clock: the heartbeat runs in real time
   idem::GuardOptions o;
-  o.lease = 150ms;
+  // The lease is short next to the handler (5x) yet long enough for a loaded sanitizer run to
+  // schedule the heartbeat thread (every 200 ms).
+  o.lease = 600ms;
   o.heartbeat = true;
   idem::IdempotencyGuard guard(store, o);
   std::atomic<bool> rival_got_in{false};
   auto out = guard.run("long", [&](const idem::Context& ctx) {
-    for (int i = 0; i < 10; ++i) {
-      std::this_thread::sleep_for(50ms);
+    for (int i = 0; i < 15; ++i) {
+      std::this_thread::sleep_for(200ms);
       auto r = store.acquire("long", idem::AcquireParams{.lease = 1s, .retention = 1h, .token = 5});
       if (r.status == idem::AcquireStatus::acquired) rival_got_in = true;
     }
