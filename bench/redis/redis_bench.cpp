@@ -1,0 +1,288 @@
+// RedisStore benchmark: the guard with a no-op handler on new and duplicate keys at 1 and 16 in
+// flight, a takeover pass, and batch claim/complete; round trips per message counted from the
+// server's INFO commandstats; MEMORY USAGE of a retained record. scripts/bench-redis runs it next
+// to redis-benchmark on the same server and prints the ratios.
+//
+//   idem_redis_bench --port P [--host H] [--messages N] [--batch B] [--batch-threads T]
+//   idem_redis_bench --port P --print-sha      (the acquire script's SHA1, for redis-benchmark)
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <hiredis/hiredis.h>
+
+#include "idem/idem.hpp"
+#include "idem/redis_store.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+struct Args {
+  std::string host = "127.0.0.1";
+  int port = 6379;
+  long messages = 20'000;
+  long batch = 100;
+  int batch_threads = 2;
+  int repeat = 3;
+  bool print_sha = false;
+};
+
+// A plain hiredis connection for the bench's own INFO / CONFIG / MEMORY commands.
+class Admin {
+public:
+  Admin(const std::string& host, int port) : c_(redisConnect(host.c_str(), port), redisFree) {
+    if (!c_ || c_->err) throw std::runtime_error("bench: cannot connect to " + host + ":" + std::to_string(port));
+  }
+  std::string run(const std::vector<std::string>& args) {
+    std::vector<const char*> argv;
+    std::vector<size_t> lens;
+    for (const auto& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    auto* r = static_cast<redisReply*>(redisCommandArgv(c_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+    if (r == nullptr) throw std::runtime_error("bench: admin command failed");
+    std::string out = r->type == REDIS_REPLY_INTEGER ? std::to_string(r->integer) : std::string(r->str ? r->str : "", r->len);
+    freeReplyObject(r);
+    return out;
+  }
+  // Commands clients sent since the last reset: calls made inside scripts and the bench's own
+  // INFO/CONFIG are not round trips.
+  long client_calls() {
+    const std::string info = run({"INFO", "commandstats"});
+    long total = 0;
+    for (auto at = info.find("cmdstat_"); at != std::string::npos; at = info.find("cmdstat_", at + 1)) {
+      const std::string name = info.substr(at + 8, info.find(':', at) - at - 8);
+      if (name == "get" || name == "set" || name == "pttl" || name == "time" || name == "info" ||
+          name.rfind("config", 0) == 0)
+        continue;
+      const auto calls = info.find("calls=", at);
+      total += std::atol(info.c_str() + calls + 6);
+    }
+    return total;
+  }
+  // Server time spent in EVALSHA (scripts included) since the last reset, in microseconds.
+  long evalsha_usec() {
+    const std::string info = run({"INFO", "commandstats"});
+    const auto at = info.find("cmdstat_evalsha:");
+    if (at == std::string::npos) return 0;
+    return std::atol(info.c_str() + info.find("usec=", at) + 5);
+  }
+  void reset() { run({"CONFIG", "RESETSTAT"}); }
+
+private:
+  std::unique_ptr<redisContext, void (*)(redisContext*)> c_;
+};
+
+struct Phase {
+  std::string name;
+  long messages = 0;
+  double seconds = 0;
+  long calls = 0;
+  long unexpected = 0;
+  long server_usec = 0;
+};
+
+void report(const Phase& p) {
+  std::printf("RESULT name=%s messages=%ld seconds=%.3f rate=%.0f roundtrips=%.2f server_us=%.2f unexpected=%ld\n",
+              p.name.c_str(), p.messages, p.seconds, static_cast<double>(p.messages) / p.seconds,
+              static_cast<double>(p.calls) / static_cast<double>(p.messages),
+              static_cast<double>(p.server_usec) / static_cast<double>(p.messages), p.unexpected);
+  std::fflush(stdout);
+}
+
+// threads workers split `keys` and run the guard with a no-op handler on each key.
+Phase guard_phase(const std::string& name, idem::RedisStore& store, Admin& admin, const std::vector<std::string>& keys,
+                  int threads, idem::Status expect) {
+  idem::IdempotencyGuard guard(store, {.lease = 30s, .retention = 1h});
+  std::atomic<long> unexpected{0};
+  admin.reset();
+  const auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 0; t < threads; ++t)
+    ts.emplace_back([&, t] {
+      for (std::size_t i = static_cast<std::size_t>(t); i < keys.size(); i += static_cast<std::size_t>(threads)) {
+        auto out = guard.run(keys[i], [] {});
+        if (out.status != expect) unexpected.fetch_add(1);
+      }
+    });
+  for (auto& t : ts) t.join();
+  Phase p{name, static_cast<long>(keys.size()), std::chrono::duration<double>(Clock::now() - t0).count(), 0,
+          unexpected.load()};
+  p.calls = admin.client_calls();
+  p.server_usec = admin.evalsha_usec();
+  return p;
+}
+
+std::vector<std::string> make_keys(const std::string& ns, long n) {
+  std::vector<std::string> keys;
+  keys.reserve(static_cast<std::size_t>(n));
+  for (long i = 0; i < n; ++i) keys.push_back(ns + std::to_string(i));
+  return keys;
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto next = [&]() -> const char* {
+      if (i + 1 >= argc) throw std::runtime_error("bench: " + k + " needs a value");
+      return argv[++i];
+    };
+    if (k == "--host") a.host = next();
+    else if (k == "--port") a.port = std::atoi(next());
+    else if (k == "--messages") a.messages = std::atol(next());
+    else if (k == "--batch") a.batch = std::atol(next());
+    else if (k == "--batch-threads") a.batch_threads = std::atoi(next());
+    else if (k == "--repeat") a.repeat = std::atoi(next());
+    else if (k == "--print-sha") a.print_sha = true;
+    else throw std::runtime_error("bench: unknown argument " + k);
+  }
+  if (a.messages < 100 || a.messages > 10'000'000 || a.batch < 1 || a.batch > 10'000 || a.batch_threads < 1 ||
+      a.batch_threads > 64 || a.repeat < 1 || a.repeat > 20)
+    throw std::runtime_error("bench: --messages in 100..1e7, --batch in 1..10000, --batch-threads in 1..64, --repeat in 1..20");
+  return a;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args a = parse(argc, argv);
+  idem::RedisOptions o;
+  o.host = a.host;
+  o.port = a.port;
+  o.pool_size = 16;
+  o.command_timeout = 10s;
+  idem::RedisStore store(o);
+  if (a.print_sha) {
+    std::printf("%s\n", store.script_sha("acquire").c_str());
+    return 0;
+  }
+  Admin admin(a.host, a.port);
+  const std::string run = std::to_string(Clock::now().time_since_epoch().count() % 1'000'000'007);
+
+  // New keys, then the same keys again as duplicates, at 1 and 16 in flight. Each measurement is
+  // repeated and the best run reported: the machine may be shared, and noise only slows a run.
+  auto best = [](const Phase& x, const Phase& y) {
+    return static_cast<double>(x.messages) / x.seconds >= static_cast<double>(y.messages) / y.seconds ? x : y;
+  };
+  Phase new1, new16, dup1, dup16;
+  for (int r = 0; r < a.repeat; ++r) {
+    const std::string rn = run + "r" + std::to_string(r);
+    const auto k1 = make_keys("b" + rn + ":c1:", a.messages);
+    const auto k16 = make_keys("b" + rn + ":c16:", a.messages * 2);
+    Phase n1 = guard_phase("new_c1", store, admin, k1, 1, idem::Status::executed);
+    Phase n16 = guard_phase("new_c16", store, admin, k16, 16, idem::Status::executed);
+    Phase d1 = guard_phase("dup_c1", store, admin, k1, 1, idem::Status::duplicate);
+    Phase d16 = guard_phase("dup_c16", store, admin, k16, 16, idem::Status::duplicate);
+    for (Phase each : {n1, n16, d1, d16}) {  // every run is printed, so no unexpected outcome hides
+      each.name = "run" + std::to_string(r) + ":" + each.name;
+      report(each);
+    }
+    if (r == 0) {
+      new1 = n1, new16 = n16, dup1 = d1, dup16 = d16;
+    } else {
+      new1 = best(new1, n1), new16 = best(new16, n16), dup1 = best(dup1, d1), dup16 = best(dup16, d16);
+    }
+  }
+  report(new1);
+  report(new16);
+  report(dup1);
+  report(dup16);
+
+  // Takeover: keys left in_progress with a 1 ms lease, acquired again once it lapsed.
+  {
+    const auto kt = make_keys("b" + run + ":takeover:", std::min<long>(a.messages, 5'000));
+    idem::AcquireParams p;
+    p.lease = 1ms;
+    p.retention = 1h;
+    p.token = 1;
+    std::vector<std::string_view> views(kt.begin(), kt.end());
+    for (std::size_t i = 0; i < views.size(); i += 500)
+      store.acquire_batch(std::span(views).subspan(i, std::min<std::size_t>(500, views.size() - i)), p);
+    std::this_thread::sleep_for(20ms);
+    admin.reset();
+    const auto t0 = Clock::now();
+    long unexpected = 0;
+    for (const auto& k : kt) {
+      p.token = 2;
+      p.lease = 30s;
+      auto r = store.acquire(k, p);
+      if (!(r.status == idem::AcquireStatus::acquired && r.takeover && r.holder.fence == 2)) ++unexpected;
+    }
+    Phase ph{"takeover_acquire_c1", static_cast<long>(kt.size()),
+             std::chrono::duration<double>(Clock::now() - t0).count(), admin.client_calls(), unexpected,
+             admin.evalsha_usec()};
+    report(ph);
+  }
+
+  // Batch claim + batch complete of new keys, batch keys per round trip, batch_threads callers.
+  Phase best_batch;
+  for (int rep = 0; rep < a.repeat; ++rep) {
+    const long total = a.messages * 10;
+    const auto kb = make_keys("b" + run + "r" + std::to_string(rep) + ":batch:", total);
+    std::atomic<long> unexpected{0};
+    std::atomic<long> next{0};
+    admin.reset();
+    const auto t0 = Clock::now();
+    std::vector<std::thread> ts;
+    for (int t = 0; t < a.batch_threads; ++t)
+      ts.emplace_back([&, t] {
+        idem::AcquireParams p;
+        p.lease = 30s;
+        p.retention = 1h;
+        p.token = static_cast<std::uint64_t>(t + 1);
+        std::vector<std::string_view> views;
+        std::vector<idem::CompleteItem> items;
+        for (;;) {
+          const long from = next.fetch_add(a.batch);
+          if (from >= total) break;
+          const long to = std::min(total, from + a.batch);
+          views.assign(kb.begin() + from, kb.begin() + to);
+          auto claims = store.acquire_batch(views, p);
+          items.clear();
+          for (std::size_t i = 0; i < claims.size(); ++i) {
+            if (claims[i].status == idem::AcquireStatus::acquired)
+              items.push_back({views[i], claims[i].holder, {}});  // the no-op handler "ran" here
+            else
+              unexpected.fetch_add(1);
+          }
+          for (auto s : store.complete_batch(items, 1h))
+            if (s != idem::WriteStatus::ok) unexpected.fetch_add(1);
+        }
+      });
+    for (auto& t : ts) t.join();
+    Phase ph{"batch" + std::to_string(a.batch) + "_t" + std::to_string(a.batch_threads), total,
+             std::chrono::duration<double>(Clock::now() - t0).count(), admin.client_calls(), unexpected.load(),
+             admin.evalsha_usec()};
+    Phase each = ph;
+    each.name = "run" + std::to_string(rep) + ":" + each.name;
+    report(each);
+    best_batch = rep == 0 ? ph : best(best_batch, ph);
+  }
+  report(best_batch);
+
+  // Memory of one retained record: completed, empty result, no fingerprint.
+  for (const std::string& k : {"ord-" + run, "550e8400-e29b-41d4-a716-" + std::string(12 - std::min<std::size_t>(12, run.size()), '0') + run}) {
+    idem::AcquireParams p;
+    p.token = 3;
+    auto r = store.acquire(k, p);
+    store.complete(k, r.holder, "", 24h);
+    std::printf("MEMORY key_bytes=%zu bytes=%s\n", store.redis_key(k).size(),
+                admin.run({"MEMORY", "USAGE", store.redis_key(k), "SAMPLES", "0"}).c_str());
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "idem_redis_bench: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,286 @@
+// Faults fail closed with typed errors: the handler never runs and no record changes blindly.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "idem/idem.hpp"
+#include "idem/redis_store.hpp"
+#include "redis_factory.hpp"
+
+using namespace std::chrono_literals;
+using idem::RedisOptions;
+using idem::RedisStore;
+using idem::test::RedisServer;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+idem::AcquireParams params(std::uint64_t token) {
+  idem::AcquireParams p;
+  p.lease = 30s;
+  p.retention = 60s;
+  p.token = token;
+  return p;
+}
+
+// Runs the guard and checks that the handler did not run and the error had type E.
+template <class E, class Store>
+E guard_throws(Store& store, const std::string& key) {
+  idem::IdempotencyGuard guard(store, {.lease = 10s, .retention = 60s});
+  bool ran = false;
+  try {
+    guard.run(key, [&] { ran = true; });
+  } catch (const E& e) {
+    CHECK_FALSE(ran);
+    return e;
+  }
+  FAIL("guard.run did not throw the expected error type");
+  throw std::logic_error("unreachable");
+}
+
+struct Warnings : idem::Observer {
+  std::vector<std::string> seen;
+  void on_warning(std::string_view m) noexcept override { seen.emplace_back(m); }
+};
+
+}  // namespace
+
+TEST_CASE("redis down at start: connection_error, retryable, within the connect timeout", "[redis][fault]") {
+  RedisOptions o;
+  o.port = idem::test::free_port();  // nothing listens there
+  o.connect_timeout = 300ms;
+  const auto t0 = Clock::now();
+  try {
+    RedisStore store(o);
+    FAIL("connected to a closed port");
+  } catch (const idem::connection_error& e) {
+    CHECK(e.retryable());
+    CHECK(std::string(e.what()).find(std::to_string(o.port)) != std::string::npos);
+  }
+  CHECK(Clock::now() - t0 < 2s);
+}
+
+TEST_CASE("redis unreachable address: connection_error within the connect timeout", "[redis][fault]") {
+  RedisOptions o;
+  o.host = "10.255.255.1";  // unroutable: SYNs vanish (or the network is refused at once)
+  o.connect_timeout = 300ms;
+  const auto t0 = Clock::now();
+  CHECK_THROWS_AS(RedisStore(o), idem::connection_error);
+  CHECK(Clock::now() - t0 < 2s);
+}
+
+TEST_CASE("redis that accepts but never answers: timeout_error within the command timeout", "[redis][fault]") {
+  // A listening socket nobody accepts from: TCP connects (kernel backlog) but no reply ever comes.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(fd, 16) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  RedisOptions o;
+  o.port = ntohs(a.sin_port);
+  o.command_timeout = 300ms;
+  const auto t0 = Clock::now();
+  CHECK_THROWS_AS(RedisStore(o), idem::timeout_error);
+  const auto took = Clock::now() - t0;
+  CHECK(took >= 250ms);
+  CHECK(took < 3s);
+  ::close(fd);
+}
+
+TEST_CASE("redis paused mid-call: timeout_error, then the store recovers", "[redis][fault]") {
+  RedisServer server;
+  RedisOptions o = server.options();
+  o.command_timeout = 300ms;
+  RedisStore store(o);
+  const std::string k = "pause-" + idem::test::random_hex();
+  server.command({"CLIENT", "PAUSE", "1500", "ALL"});
+  auto e = guard_throws<idem::timeout_error>(store, k);
+  CHECK(e.retryable());
+  std::this_thread::sleep_for(1600ms);
+  idem::IdempotencyGuard guard(store);
+  CHECK(guard.run(k + "-after", [] { return 1; }).status == idem::Status::executed);
+}
+
+TEST_CASE("redis killed mid-run then restarted: fail closed, then the pool reconnects", "[redis][fault]") {
+  RedisServer server;
+  RedisOptions o = server.options();
+  o.pool_size = 4;
+  o.connect_timeout = 300ms;
+  RedisStore store(o);
+  idem::IdempotencyGuard guard(store, {.lease = 10s, .retention = 60s});
+  const std::string ns = "kill-" + idem::test::random_hex() + ":";
+  REQUIRE(guard.run(ns + "before", [] { return 1; }).status == idem::Status::executed);
+
+  server.stop(SIGKILL);
+  auto e = guard_throws<idem::connection_error>(store, ns + "down");
+  CHECK(e.retryable());
+  // A handler that was running when the server died cannot record its result: it is reported.
+  CHECK_THROWS_AS(guard.run(ns + "down2", [] { return 2; }), idem::store_error);
+
+  server.start();  // same port, empty data (no persistence), no scripts loaded
+  int runs = 0;
+  auto after = guard.run(ns + "after", [&] {
+    ++runs;
+    return 3;
+  });
+  CHECK(after.status == idem::Status::executed);
+  CHECK(runs == 1);
+  // Every pooled connection was to the dead server; each is replaced without a failed call.
+  for (int i = 0; i < 8; ++i)
+    CHECK(guard.run(ns + "again-" + std::to_string(i), [] { return 4; }).status == idem::Status::executed);
+}
+
+TEST_CASE("redis OOM under maxmemory noeviction: capacity_error", "[redis][fault]") {
+  RedisServer server;
+  RedisStore store(server.options());
+  const std::string k = "oom-" + idem::test::random_hex();
+  auto held = store.acquire(k + "-held", params(1));
+  REQUIRE(server.command({"CONFIG", "SET", "maxmemory", "1"}) == "OK");
+  auto e = guard_throws<idem::capacity_error>(store, k);
+  CHECK(e.code() == "OOM");
+  CHECK(e.retryable());
+  CHECK_THROWS_AS(store.complete(k + "-held", held.holder, "x", 60s), idem::capacity_error);
+  REQUIRE(server.command({"CONFIG", "SET", "maxmemory", "0"}) == "OK");
+  CHECK_FALSE(store.inspect(k).has_value());  // nothing was written
+  CHECK(store.complete(k + "-held", held.holder, "x", 60s) == idem::WriteStatus::ok);
+}
+
+TEST_CASE("redis read-only replica: READONLY store_error", "[redis][fault]") {
+  RedisServer server;
+  RedisStore store(server.options());
+  const std::string k = "ro-" + idem::test::random_hex();
+  REQUIRE(server.command({"REPLICAOF", "127.0.0.1", std::to_string(idem::test::free_port())}) == "OK");
+  auto e = guard_throws<idem::store_error>(store, k);
+  CHECK(e.code() == "READONLY");
+  CHECK(e.retryable());
+  REQUIRE(server.command({"REPLICAOF", "NO", "ONE"}) == "OK");
+  CHECK_FALSE(store.inspect(k).has_value());
+}
+
+TEST_CASE("redis NOAUTH and WRONGPASS: store_error, not retryable", "[redis][fault]") {
+  RedisServer server({"requirepass right-pw"});
+  RedisOptions o = server.options();
+  try {
+    RedisStore s(o);
+    FAIL("connected without a password");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "NOAUTH");
+    CHECK_FALSE(e.retryable());
+  }
+  o.password = "wrong-pw";
+  try {
+    RedisStore s(o);
+    FAIL("connected with a wrong password");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "WRONGPASS");
+    CHECK_FALSE(e.retryable());
+    CHECK(std::string(e.what()).find("wrong-pw") == std::string::npos);
+  }
+  o.password = "right-pw";
+  RedisStore s(o);
+  CHECK(s.acquire("auth-ok", params(1)).status == idem::AcquireStatus::acquired);
+}
+
+TEST_CASE("redis foreign value on the key: WRONGTYPE store_error", "[redis][fault]") {
+  RedisServer server;
+  RedisStore store(server.options());
+  const std::string k = "foreign-" + idem::test::random_hex();
+  server.command({"HSET", store.redis_key(k), "f", "v"});
+  auto e = guard_throws<idem::store_error>(store, k);
+  CHECK(e.code() == "WRONGTYPE");
+  CHECK_FALSE(e.retryable());
+  CHECK_THROWS_AS(store.inspect(k), idem::store_error);
+  CHECK(server.command({"TYPE", store.redis_key(k)}) == "hash");
+}
+
+TEST_CASE("redis garbage record: corrupt_record_error, never a duplicate", "[redis][fault]") {
+  RedisServer server;
+  RedisStore store(server.options());
+  const std::string ns = "garbage-" + idem::test::random_hex() + ":";
+  const std::vector<std::string> garbage{"completed", std::string(10, '\0'), std::string("\x82\x01", 2),
+                                         std::string("\x82\x01\x00\x00\x00\x00\x00\x00\x00\x01\x99", 11),
+                                         std::string("\xb2\x01\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x09x", 15)};
+  int i = 0;
+  for (const auto& g : garbage) {
+    const std::string k = ns + std::to_string(i++);
+    INFO("garbage #" << i);
+    server.command({"SET", store.redis_key(k), g});
+    guard_throws<idem::corrupt_record_error>(store, k);
+    CHECK_THROWS_AS(store.inspect(k), idem::corrupt_record_error);
+    CHECK_THROWS_AS(store.complete(k, idem::Holder{1, 1}, "x", 60s), idem::corrupt_record_error);
+    CHECK(server.command({"GET", store.redis_key(k)}) == g);  // left as found
+  }
+}
+
+TEST_CASE("redis eviction policy that can drop keys is reported to the observer", "[redis][fault]") {
+  RedisServer server;
+  auto obs = std::make_shared<Warnings>();
+  RedisOptions o = server.options();
+  o.observer = obs;
+  { RedisStore quiet(o); }
+  CHECK(obs->seen.empty());
+  REQUIRE(server.command({"CONFIG", "SET", "maxmemory-policy", "volatile-lru"}) == "OK");
+  RedisStore store(o);
+  REQUIRE(obs->seen.size() == 1);
+  CHECK(obs->seen[0].find("volatile-lru") != std::string::npos);
+  CHECK(store.eviction_policy() == "volatile-lru");
+}
+
+TEST_CASE("redis ACL user without CONFIG: the policy check warns instead of failing", "[redis][fault][acl]") {
+  RedisServer server(idem::test::acl_config());
+  auto obs = std::make_shared<Warnings>();
+  RedisOptions o;
+  o.url = "redis://idem-app:app%20secret%21@127.0.0.1:" + std::to_string(server.port());
+  o.observer = obs;
+  RedisStore store(o);
+  REQUIRE(obs->seen.size() == 1);
+  CHECK(obs->seen[0].find("cannot read") != std::string::npos);
+  CHECK(store.eviction_policy().empty());
+  // Keys outside the ACL's key pattern are refused with NOPERM.
+  RedisOptions other = o;
+  other.key_prefix = "elsewhere:";
+  other.observer = nullptr;
+  RedisStore outside(other);
+  try {
+    outside.acquire("k", params(1));
+    FAIL("wrote outside the ACL key pattern");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "NOPERM");
+    CHECK_FALSE(e.retryable());
+  }
+}
+
+TEST_CASE("redis pool exhausted: callers wait pool_wait, then timeout_error", "[redis][fault]") {
+  RedisServer server;
+  RedisOptions o = server.options();
+  o.pool_size = 1;
+  o.pool_wait = 100ms;
+  o.command_timeout = 3s;
+  RedisStore store(o);
+  // Hold the only connection in a slow call: pause the server so the call blocks.
+  server.command({"CLIENT", "PAUSE", "800", "ALL"});
+  std::atomic<bool> slow_ok{false};  // Catch2 assertions are not thread-safe: check after join
+  std::thread slow([&] {
+    try {
+      store.inspect("slow-" + idem::test::random_hex());
+      slow_ok = true;
+    } catch (...) {
+    }
+  });
+  std::this_thread::sleep_for(200ms);
+  CHECK_THROWS_AS(store.inspect("other"), idem::timeout_error);
+  slow.join();
+  CHECK(slow_ok.load());
+  CHECK_NOTHROW(store.inspect("other"));
+}

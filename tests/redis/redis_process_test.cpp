@@ -1,0 +1,156 @@
+// Many processes on one redis-server: exactly-once across processes, and fencing of holders that
+// crash (SIGKILL) or stall (SIGSTOP). Children are fork+exec'ed copies of idem_redis_worker.
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <csignal>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "idem/idem.hpp"
+#include "idem/redis_store.hpp"
+#include "redis_factory.hpp"
+
+using namespace std::chrono_literals;
+using idem::RedisStore;
+using idem::test::RedisServer;
+
+namespace {
+
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // read end of the child's stdout
+
+  static Child start(const std::vector<std::string>& args) {
+    int p[2];
+    REQUIRE(::pipe(p) == 0);
+    std::vector<std::string> argv{IDEM_REDIS_WORKER};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Child c;
+    c.pid = idem::test::spawn(argv, p[1]);
+    ::close(p[1]);
+    c.out = p[0];
+    return c;
+  }
+  // One line of output, or "" at EOF.
+  std::string line() const {
+    std::string s;
+    char ch;
+    while (::read(out, &ch, 1) == 1) {
+      if (ch == '\n') return s;
+      s += ch;
+    }
+    return s;
+  }
+  std::string rest() const {
+    std::string s;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(out, buf, sizeof buf)) > 0) s.append(buf, static_cast<std::size_t>(n));
+    return s;
+  }
+  int wait() {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    ::close(out);
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+};
+
+idem::AcquireParams params(std::uint64_t token, idem::millis lease = 30s) {
+  idem::AcquireParams p;
+  p.lease = lease;
+  p.retention = 60s;
+  p.token = token;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("redis: 8 processes on the same 500 keys execute each key exactly once", "[redis][process]") {
+  RedisServer server;
+  const std::string ns = "procs-" + idem::test::random_hex() + ":";
+  constexpr int processes = 8, keys = 500;
+  std::vector<Child> children;
+  for (int i = 0; i < processes; ++i)
+    children.push_back(Child::start({"race", std::to_string(server.port()), ns, std::to_string(keys),
+                                     std::to_string(1000 + i)}));
+  std::map<int, int> executions;
+  int done = 0, wrong = 0;
+  for (auto& c : children) {
+    std::istringstream in(c.rest());
+    std::string word;
+    int i;
+    while (in >> word) {
+      if (word == "done") {
+        ++done;
+      } else if (word == "executed" && in >> i) {
+        ++executions[i];
+      } else if (word == "wrong" && in >> i) {
+        ++wrong;
+      }
+    }
+    CHECK(c.wait() == 0);
+  }
+  CHECK(done == processes);
+  CHECK(wrong == 0);
+  CHECK(executions.size() == static_cast<std::size_t>(keys));
+  int twice = 0;
+  for (const auto& [k, n] : executions) twice += n != 1;
+  CHECK(twice == 0);
+  RedisStore store(server.options());
+  for (int i = 0; i < keys; i += 50) {
+    auto rec = store.inspect(ns + std::to_string(i));
+    REQUIRE(rec);
+    CHECK(rec->state == idem::State::completed);
+    CHECK(rec->holder.fence == 1);
+  }
+}
+
+TEST_CASE("redis: a holder SIGKILLed mid-handler is taken over after its lease with fence+1", "[redis][process]") {
+  RedisServer server;
+  const std::string key = "killed-" + idem::test::random_hex();
+  Child c = Child::start({"hold", std::to_string(server.port()), key, "300"});
+  const std::string first = c.line();
+  REQUIRE(first == "fence 1");
+  RedisStore store(server.options());
+  CHECK(store.acquire(key, params(2)).status == idem::AcquireStatus::in_flight);  // the lease is live
+  ::kill(c.pid, SIGKILL);
+  CHECK(c.wait() == 128 + SIGKILL);
+  std::this_thread::sleep_for(400ms);
+  auto r = store.acquire(key, params(3));
+  REQUIRE(r.status == idem::AcquireStatus::acquired);
+  CHECK(r.takeover);
+  CHECK(r.holder.fence == 2);
+  CHECK(store.complete(key, r.holder, "recovered", 60s) == idem::WriteStatus::ok);
+}
+
+TEST_CASE("redis: a holder SIGSTOPped past its lease gets lease_lost and the new result stays", "[redis][process]") {
+  RedisServer server;
+  const std::string key = "stalled-" + idem::test::random_hex();
+  Child c = Child::start({"slow", std::to_string(server.port()), key, "300", "500"});
+  REQUIRE(c.line() == "fence 1");
+  ::kill(c.pid, SIGSTOP);
+  std::this_thread::sleep_for(450ms);
+  RedisStore store(server.options());
+  auto r = store.acquire(key, params(7));
+  REQUIRE(r.status == idem::AcquireStatus::acquired);
+  CHECK(r.takeover);
+  CHECK(r.holder.fence == 2);
+  REQUIRE(store.complete(key, r.holder, "new", 60s) == idem::WriteStatus::ok);
+  ::kill(c.pid, SIGCONT);
+  CHECK(c.wait() == 3);  // the stalled holder's completion was refused: lease_lost
+  auto rec = store.inspect(key);
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::completed);
+  CHECK(rec->result == "new");
+  CHECK(rec->holder == r.holder);
+}

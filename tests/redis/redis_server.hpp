@@ -1,0 +1,232 @@
+#pragma once
+// A real redis-server for one test process: a free 127.0.0.1 port, a temp dir, no persistence,
+// an `admin` ACL user for the harness's own commands, and a Unix socket. Starting fails the test
+// (throws) when the server cannot be started; it never skips. Children are fork+exec'ed and get
+// PR_SET_PDEATHSIG, so a crashed test cannot leave a server behind.
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "idem/redis_store.hpp"
+
+#ifndef IDEM_REDIS_SERVER
+#define IDEM_REDIS_SERVER "redis-server"
+#endif
+
+namespace idem::test {
+
+inline constexpr const char* admin_user = "idem-admin";
+
+// A free loopback port right now (the kernel picks it); the server start retries on a clash.
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) throw std::runtime_error("test: socket() failed");
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  socklen_t len = sizeof a;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    ::close(fd);
+    throw std::runtime_error("test: cannot bind a loopback port");
+  }
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+// fork + exec of argv with stdout/stderr sent to `out_fd` (or /dev/null when -1); the child dies
+// with this process. Only async-signal-safe calls happen between fork and exec.
+inline pid_t spawn(const std::vector<std::string>& args, int out_fd = -1, int in_fd = -1) {
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t parent = ::getpid();
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("test: fork failed");
+  if (pid == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    const int null = ::open("/dev/null", O_RDWR);
+    ::dup2(in_fd >= 0 ? in_fd : null, 0);
+    ::dup2(out_fd >= 0 ? out_fd : null, 1);
+    ::dup2(out_fd >= 0 ? out_fd : null, 2);
+    ::execv(argv[0], argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+class RedisServer {
+public:
+  /// Starts a server; `config` lines are appended to the generated redis.conf.
+  explicit RedisServer(std::vector<std::string> config = {}) : config_(std::move(config)) {
+    char tmpl[] = "/tmp/idem-redis-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("test: mkdtemp failed");
+    dir_ = tmpl;
+    std::string last_error;
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      port_ = free_port();
+      try {
+        start();
+        return;
+      } catch (const std::exception& e) {
+        last_error = e.what();
+      }
+    }
+    cleanup_dir();
+    throw std::runtime_error("test: redis-server could not be started: " + last_error);
+  }
+  ~RedisServer() {
+    stop();
+    cleanup_dir();
+  }
+  RedisServer(const RedisServer&) = delete;
+  RedisServer& operator=(const RedisServer&) = delete;
+
+  [[nodiscard]] int port() const { return port_; }
+  [[nodiscard]] std::string socket_path() const { return dir_ + "/redis.sock"; }
+  [[nodiscard]] pid_t pid() const { return pid_; }
+  /// Password of the harness's admin user: random per server, so a test can never drive
+  /// another test's server by landing on a port that server took first.
+  [[nodiscard]] const std::string& admin_password() const { return admin_password_; }
+
+  /// Options of a store on this server (TCP), as the default user unless told otherwise.
+  [[nodiscard]] RedisOptions options() const {
+    RedisOptions o;
+    o.host = "127.0.0.1";
+    o.port = port_;
+    o.connect_timeout = millis{2000};
+    o.command_timeout = millis{5000};
+    return o;
+  }
+
+  /// Starts (or restarts after stop) on the same port and directory.
+  void start() {
+    {
+      std::ofstream conf(dir_ + "/redis.conf");
+      conf << "bind 127.0.0.1\nport " << port_ << "\ndir " << dir_ << "\nsave \"\"\nappendonly no\n"
+           << "daemonize no\nlogfile " << dir_ << "/redis.log\nunixsocket " << socket_path()
+           << "\nunixsocketperm 700\n"
+           << "user " << admin_user << " on >" << admin_password_ << " ~* &* +@all\n";
+      for (const auto& line : config_) conf << line << "\n";
+    }
+    pid_ = spawn({IDEM_REDIS_SERVER, dir_ + "/redis.conf"});
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        throw std::runtime_error("redis-server (" IDEM_REDIS_SERVER ") exited at start: " + log_tail());
+      }
+      try {
+        // Ours, not a server another test started on the same port a moment earlier.
+        if (command({"INFO", "server"}).find("process_id:" + std::to_string(pid_) + "\r") != std::string::npos)
+          return;
+      } catch (const std::exception&) {
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    stop();
+    throw std::runtime_error("redis-server did not answer PING within 10 s: " + log_tail());
+  }
+
+  /// Stops the server with `sig` (SIGTERM: clean; SIGKILL: crash) and reaps it.
+  void stop(int sig = SIGKILL) {
+    if (pid_ <= 0) return;
+    ::kill(pid_, sig);
+    int status = 0;
+    while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+    }
+    pid_ = -1;
+  }
+
+  /// Runs one command as the admin user; returns the reply flattened to text ("(nil)", "ERR ...").
+  std::string command(const std::vector<std::string>& args) const {
+    timeval tv{5, 0};
+    std::unique_ptr<redisContext, void (*)(redisContext*)> c(redisConnectWithTimeout("127.0.0.1", port_, tv),
+                                                              redisFree);
+    if (!c || c->err) throw std::runtime_error("test: cannot connect to the test redis-server");
+    redisSetTimeout(c.get(), tv);
+    auto run = [&](const std::vector<std::string>& a) {
+      std::vector<const char*> argv;
+      std::vector<size_t> lens;
+      for (const auto& s : a) {
+        argv.push_back(s.data());
+        lens.push_back(s.size());
+      }
+      auto* r = static_cast<redisReply*>(
+          redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+      if (r == nullptr) throw std::runtime_error(std::string("test: redis command failed: ") + c->errstr);
+      std::string out = flatten(r);
+      freeReplyObject(r);
+      return out;
+    };
+    const std::string auth = run({"AUTH", admin_user, admin_password_});
+    if (auth != "OK") throw std::runtime_error("test: admin AUTH failed: " + auth);
+    return run(args);
+  }
+
+  std::string log_tail() const {
+    std::ifstream in(dir_ + "/redis.log");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string s = ss.str();
+    return s.size() > 2000 ? s.substr(s.size() - 2000) : s;
+  }
+
+private:
+  static std::string random_password() {
+    std::random_device rd;
+    return "admin-" + std::to_string(rd()) + "-" + std::to_string(rd());
+  }
+
+  static std::string flatten(const redisReply* r) {
+    switch (r->type) {
+      case REDIS_REPLY_STRING:
+      case REDIS_REPLY_STATUS:
+      case REDIS_REPLY_ERROR: return std::string(r->str, r->len);
+      case REDIS_REPLY_INTEGER: return std::to_string(r->integer);
+      case REDIS_REPLY_NIL: return "(nil)";
+      case REDIS_REPLY_ARRAY: {
+        std::string out;
+        for (size_t i = 0; i < r->elements; ++i) out += (i ? "\n" : "") + flatten(r->element[i]);
+        return out;
+      }
+      default: return "?";
+    }
+  }
+
+  void cleanup_dir() {
+    std::error_code ec;
+    if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
+  }
+
+  std::vector<std::string> config_;
+  std::string admin_password_ = random_password();
+  std::string dir_;
+  int port_ = 0;
+  pid_t pid_ = -1;
+};
+
+}  // namespace idem::test

@@ -1,0 +1,89 @@
+// Child process of the multi-process tests (started with fork+exec, see redis_process_test.cpp).
+//   race  <port> <ns> <keys> <seed>   run the guard over keys 0..keys-1 in a shuffled order; print
+//                                     "executed <i>" for every handler run, then "done"
+//   hold  <port> <key> <lease_ms>     acquire through the guard, print "fence <n>", then sleep in
+//                                     the handler until killed (bounded: 60 s)
+//   slow  <port> <key> <lease_ms> <work_ms>  like hold, but return "old" after work_ms; exit 0 when
+//                                     executed, 3 when the completion found the lease lost
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem/idem.hpp"
+#include "idem/redis_store.hpp"
+
+namespace {
+
+idem::RedisStore connect(const char* port) {
+  idem::RedisOptions o;
+  o.port = std::atoi(port);
+  o.pool_size = 2;
+  o.command_timeout = idem::millis{5000};
+  return idem::RedisStore(o);
+}
+
+int race(char** argv) {
+  idem::RedisStore store = connect(argv[2]);
+  const std::string ns = argv[3];
+  const int keys = std::atoi(argv[4]);
+  idem::GuardOptions go;
+  go.lease = idem::millis{30'000};
+  go.retention = idem::millis{600'000};
+  go.wait_for_in_flight = idem::millis{0};
+  idem::IdempotencyGuard guard(store, go);
+  std::vector<int> order(static_cast<std::size_t>(keys));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937 rng(static_cast<unsigned>(std::atoi(argv[5])));
+  std::shuffle(order.begin(), order.end(), rng);
+  std::string out;
+  for (int i : order) {
+    auto r = guard.run(ns + std::to_string(i), [&] {
+      out += "executed " + std::to_string(i) + "\n";
+      return i;
+    });
+    if (r.status == idem::Status::duplicate && *r.value != i) out += "wrong " + std::to_string(i) + "\n";
+  }
+  out += "done\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return 0;
+}
+
+int hold(char** argv, bool slow) {
+  idem::RedisStore store = connect(argv[2]);
+  idem::GuardOptions go;
+  go.lease = idem::millis{std::atoi(argv[4])};
+  go.retention = idem::millis{600'000};
+  idem::IdempotencyGuard guard(store, go);
+  const int work_ms = slow ? std::atoi(argv[5]) : 60'000;
+  auto r = guard.run(argv[3], [&](const idem::Context& ctx) {
+    std::printf("fence %llu\n", static_cast<unsigned long long>(ctx.fence));
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::milliseconds(work_ms));
+    return std::string("old");
+  });
+  if (r.status == idem::Status::executed) return 0;
+  if (r.status == idem::Status::lease_lost) return 3;
+  return 4;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::string mode = argc > 1 ? argv[1] : "";
+    if (mode == "race" && argc == 6) return race(argv);
+    if (mode == "hold" && argc == 5) return hold(argv, false);
+    if (mode == "slow" && argc == 6) return hold(argv, true);
+    std::fprintf(stderr, "usage: idem_redis_worker race|hold|slow ...\n");
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "idem_redis_worker: %s\n", e.what());
+    return 5;
+  }
+}
