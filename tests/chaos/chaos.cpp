@@ -1,0 +1,858 @@
+// Chaos run: exactly-once effects on top of at-least-once delivery, measured.
+//
+//   idem_chaos [--large] [--events N] [--setups abc] [--seed S]      the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
+//
+// The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
+// group and the idempotency records survive a SIGKILL of the server) and its own PostgreSQL
+// cluster (tests/postgres/pg_cluster.sh). For each setup it publishes payment events — unique
+// event ids, about 20% published twice, shuffled — into a Redis Stream consumer group while 4
+// consumer processes (fork+exec of this binary) handle them; every 100-300 ms it SIGKILLs a random
+// consumer and starts it again; once per setup it SIGKILLs and restarts Redis, and restarts
+// PostgreSQL. Every business transaction appends the event id to an `effects` table without any
+// uniqueness, so "double" and "lost" are counted from what was applied, not inferred:
+//   (a) PostgresStore transactional mode: balance UPDATE + effects INSERT through ctx.tx;
+//   (b) RedisStore + a PostgreSQL transaction that INSERTs the event id into applied_events
+//       ON CONFLICT DO NOTHING and skips the update when it did nothing;
+//   (c) RedisStore + a plain autocommit UPDATE (one statement that also appends the effect row).
+// Exit status 1 when (a) or (b) has a double effect, a lost message or a wrong balance, when any
+// setup loses a message, or when a run does not finish in its time bound.
+//
+// The driver is single-threaded: it forks (to exec) only from one thread.
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include <fcntl.h>
+#include <hiredis/hiredis.h>
+#include <libpq-fe.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "idem/idem.hpp"
+#include "idem/postgres_store.hpp"
+#include "idem/redis_store.hpp"
+#include "redis_server.hpp"
+
+#ifndef IDEM_PG_CLUSTER_SCRIPT
+#error "IDEM_PG_CLUSTER_SCRIPT must point at tests/postgres/pg_cluster.sh"
+#endif
+
+using namespace std::chrono_literals;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+constexpr int kAccounts = 100;
+constexpr int kConsumers = 4;
+constexpr auto kLease = 2000ms;  // guard lease = XAUTOCLAIM min-idle
+const char* const kGroup = "payments";
+
+std::atomic<bool> g_stop{false};
+extern "C" void on_signal(int) { g_stop = true; }
+
+// ---------------------------------------------------------------------------------------------
+// hiredis: one connection, reconnecting on demand; errors are exceptions.
+
+struct ReplyFree {
+  void operator()(redisReply* r) const { freeReplyObject(r); }
+};
+using Reply = std::unique_ptr<redisReply, ReplyFree>;
+
+class Redis {
+public:
+  explicit Redis(int port) : port_(port) {}
+  ~Redis() { drop(); }
+  Redis(const Redis&) = delete;
+  Redis& operator=(const Redis&) = delete;
+
+  Reply cmd(const std::vector<std::string>& args) {
+    connect();
+    std::vector<const char*> argv;
+    std::vector<size_t> lens;
+    for (const auto& a : args) {
+      argv.push_back(a.data());
+      lens.push_back(a.size());
+    }
+    auto* r = static_cast<redisReply*>(redisCommandArgv(c_, static_cast<int>(argv.size()), argv.data(), lens.data()));
+    if (r == nullptr) {
+      std::string e = c_->errstr;
+      drop();
+      throw std::runtime_error("redis: " + e);
+    }
+    Reply rep(r);
+    if (rep->type == REDIS_REPLY_ERROR) throw std::runtime_error("redis: " + std::string(rep->str, rep->len));
+    return rep;
+  }
+
+  // Pipelined commands; throws (after dropping the connection) if any reply is missing or an error.
+  void pipeline(const std::vector<std::vector<std::string>>& cmds) {
+    connect();
+    for (const auto& args : cmds) {
+      std::vector<const char*> argv;
+      std::vector<size_t> lens;
+      for (const auto& a : args) {
+        argv.push_back(a.data());
+        lens.push_back(a.size());
+      }
+      redisAppendCommandArgv(c_, static_cast<int>(argv.size()), argv.data(), lens.data());
+    }
+    std::string err;
+    for (size_t i = 0; i < cmds.size(); ++i) {
+      void* r = nullptr;
+      if (redisGetReply(c_, &r) != REDIS_OK || r == nullptr) {
+        std::string e = c_->errstr;
+        drop();
+        throw std::runtime_error("redis: " + e);
+      }
+      Reply rep(static_cast<redisReply*>(r));
+      if (rep->type == REDIS_REPLY_ERROR && err.empty()) err.assign(rep->str, rep->len);
+    }
+    if (!err.empty()) throw std::runtime_error("redis: " + err);
+  }
+
+  void drop() {
+    if (c_) redisFree(c_);
+    c_ = nullptr;
+  }
+
+private:
+  void connect() {
+    if (c_) return;
+    timeval tv{1, 0};
+    c_ = redisConnectWithTimeout("127.0.0.1", port_, tv);
+    if (c_ == nullptr || c_->err) {
+      std::string e = c_ ? c_->errstr : "alloc";
+      drop();
+      throw std::runtime_error("redis connect: " + e);
+    }
+    timeval ct{3, 0};
+    redisSetTimeout(c_, ct);
+  }
+  int port_;
+  redisContext* c_ = nullptr;
+};
+
+std::string str(const redisReply* r) {
+  if (r->type == REDIS_REPLY_STRING || r->type == REDIS_REPLY_STATUS) return {r->str, r->len};
+  if (r->type == REDIS_REPLY_INTEGER) return std::to_string(r->integer);
+  return {};
+}
+
+// ---------------------------------------------------------------------------------------------
+// libpq: a plain connection for the business writes of (b)/(c) and for the driver's checks.
+
+struct business_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class Pg {
+public:
+  explicit Pg(std::string conninfo) : ci_(std::move(conninfo)) {}
+  ~Pg() { drop(); }
+  Pg(const Pg&) = delete;
+  Pg& operator=(const Pg&) = delete;
+
+  // Runs one statement; any failure drops the connection (an open transaction dies with it).
+  idem::PgResult exec(const std::string& sql, const std::vector<std::string>& params = {}) {
+    connect();
+    std::vector<const char*> vals;
+    for (const auto& p : params) vals.push_back(p.c_str());
+    idem::PgResult r(PQexecParams(c_, sql.c_str(), static_cast<int>(vals.size()), nullptr, vals.data(), nullptr,
+                                  nullptr, 0));
+    const auto st = r.native() ? PQresultStatus(r.native()) : PGRES_FATAL_ERROR;
+    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
+      std::string e = PQerrorMessage(c_);
+      drop();
+      throw business_error("postgres: " + e);
+    }
+    return r;
+  }
+  void drop() {
+    if (c_) PQfinish(c_);
+    c_ = nullptr;
+  }
+
+private:
+  void connect() {
+    if (c_ && PQstatus(c_) == CONNECTION_OK) return;
+    drop();
+    c_ = PQconnectdb(ci_.c_str());
+    if (PQstatus(c_) != CONNECTION_OK) {
+      std::string e = PQerrorMessage(c_);
+      drop();
+      throw business_error("postgres connect: " + e);
+    }
+  }
+  std::string ci_;
+  PGconn* c_ = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------------
+// The worker: one consumer process.
+
+struct Entry {
+  std::string id;  // stream entry id
+  std::string event, account, amount;
+};
+
+std::vector<Entry> parse_entries(const redisReply* list) {
+  std::vector<Entry> out;
+  if (list == nullptr || list->type != REDIS_REPLY_ARRAY) return out;
+  for (size_t i = 0; i < list->elements; ++i) {
+    const redisReply* e = list->element[i];
+    if (e->type != REDIS_REPLY_ARRAY || e->elements < 2) continue;
+    Entry en;
+    en.id = str(e->element[0]);
+    const redisReply* f = e->element[1];
+    if (f->type == REDIS_REPLY_ARRAY)
+      for (size_t k = 0; k + 1 < f->elements; k += 2) {
+        const std::string name = str(f->element[k]);
+        const std::string val = str(f->element[k + 1]);
+        if (name == "e") en.event = val;
+        else if (name == "a") en.account = val;
+        else if (name == "m") en.amount = val;
+      }
+    out.push_back(std::move(en));
+  }
+  return out;
+}
+
+class Stats {
+public:
+  explicit Stats(const std::string& path) : fd_(::open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644)) {}
+  ~Stats() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  Stats(const Stats&) = delete;
+  Stats& operator=(const Stats&) = delete;
+  // One fixed-size line per event, written at once: a SIGKILL loses nothing written before it.
+  void note(char c) {
+    const char line[2] = {c, '\n'};
+    if (fd_ >= 0 && ::write(fd_, line, 2) != 2) {
+    }
+  }
+
+private:
+  int fd_;
+};
+
+char status_char(idem::Status s) {
+  switch (s) {
+    case idem::Status::executed: return 'X';
+    case idem::Status::duplicate: return 'U';
+    case idem::Status::in_flight: return 'I';
+    case idem::Status::previously_failed: return 'F';
+    case idem::Status::stale: return 'S';
+    case idem::Status::lease_lost: return 'L';
+    case idem::Status::mismatch: return 'M';
+  }
+  return '?';
+}
+
+int worker_main(int argc, char** argv) {
+  if (argc < 7) {
+    std::fprintf(stderr, "usage: idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE\n");
+    return 2;
+  }
+  const char setup = argv[2][0];
+  const int port = std::atoi(argv[3]);
+  const std::string conninfo = argv[4];
+  const std::string consumer = argv[5];
+  Stats stats(argv[6]);
+  const std::string stream = std::string("chaos:") + setup;
+  const std::string T(1, setup);  // table prefix
+  std::signal(SIGTERM, on_signal);
+
+  const auto hard_stop = Clock::now() + 30min;  // bounded even if the driver vanished
+  Redis r(port);
+
+  idem::GuardOptions go;
+  go.lease = kLease;
+  go.retention = 1h;
+  go.failure.mode = idem::FailureMode::release;
+  go.owner = consumer + ":" + std::to_string(::getpid());
+
+  // Stores are created lazily and again after a failure to construct (the server may be down).
+  std::optional<idem::PostgresStore> pgs;
+  std::optional<idem::IdempotencyGuard<idem::PostgresStore>> pguard;
+  std::optional<idem::RedisStore> rs;
+  std::optional<idem::IdempotencyGuard<idem::RedisStore>> rguard;
+  Pg biz(conninfo);
+
+  auto run_one = [&](const Entry& e) -> idem::Status {
+    const std::string payload = e.account + "|" + e.amount;
+    if (setup == 'a') {
+      if (!pgs) {
+        pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .table = "records_a", .mode = idem::PgMode::transactional,
+                                          .pool_size = 2, .pool_wait = idem::millis{3000}, .statement_timeout = idem::millis{5000}});
+        pguard.emplace(*pgs, go);
+      }
+      auto out = pguard->run(e.event, payload, [&](const idem::BasicContext<idem::PostgresStore::transaction>& ctx) {
+        ctx.tx->exec("UPDATE a_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount, e.account);
+        ctx.tx->exec("INSERT INTO a_effects(event_id) VALUES ($1)", e.event);
+      });
+      return out.status;
+    }
+    if (!rs) {
+      idem::RedisOptions ro;
+      ro.port = port;
+      ro.key_prefix = "idem:" + T + ":";
+      ro.pool_size = 2;
+      ro.connect_timeout = idem::millis{1000};
+      ro.command_timeout = idem::millis{2000};
+      ro.pool_wait = idem::millis{2000};
+      rs.emplace(std::move(ro));
+      rguard.emplace(*rs, go);
+    }
+    if (setup == 'b') {
+      bool skipped = false;
+      auto out = rguard->run(e.event, payload, [&] {
+        biz.exec("BEGIN");
+        auto ins = biz.exec("INSERT INTO b_applied(event_id) VALUES ($1) ON CONFLICT DO NOTHING", {e.event});
+        if (ins.affected() == 1) {
+          biz.exec("UPDATE b_accounts SET balance = balance + $1::bigint WHERE id = $2::int", {e.amount, e.account});
+          biz.exec("INSERT INTO b_effects(event_id) VALUES ($1)", {e.event});
+        } else {
+          skipped = true;  // applied before (a redelivery after a crash before complete): no effect
+        }
+        biz.exec("COMMIT");
+      });
+      if (skipped) stats.note('K');
+      return out.status;
+    }
+    // (c): one autocommit statement: the balance update and its effect row commit together.
+    auto out = rguard->run(e.event, payload, [&] {
+      biz.exec("WITH u AS (UPDATE c_accounts SET balance = balance + $1::bigint WHERE id = $2::int RETURNING id) "
+               "INSERT INTO c_effects(event_id) SELECT $3 FROM u",
+               {e.amount, e.account, e.event});
+    });
+    return out.status;
+  };
+
+  // Handles one delivery; true = ack it. Store and database errors: back off and retry in place.
+  auto handle = [&](const Entry& e) -> bool {
+    if (e.event.empty()) return true;  // not ours (or deleted): nothing to do
+    long long pause = 20;
+    const auto give_up = Clock::now() + 20s;
+    while (!g_stop && Clock::now() < give_up) {
+      try {
+        const idem::Status s = run_one(e);
+        stats.note(status_char(s));
+        return s != idem::Status::in_flight;
+      } catch (const idem::error& ex) {
+        stats.note('E');
+        if (!ex.retryable() && dynamic_cast<const idem::outcome_unknown_error*>(&ex) == nullptr &&
+            dynamic_cast<const idem::store_error*>(&ex) == nullptr)
+          return false;  // not our business here: leave it unacked
+      } catch (const business_error&) {
+        stats.note('B');
+      } catch (const std::exception&) {
+        stats.note('E');
+        if (setup == 'a') {  // a store that could not even be built: build it again
+          pguard.reset();
+          pgs.reset();
+        } else {
+          rguard.reset();
+          rs.reset();
+        }
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+      pause = std::min<long long>(pause * 2, 500);
+    }
+    return false;
+  };
+
+  auto process = [&](const std::vector<Entry>& entries) {
+    std::vector<std::string> ack{"XACK", stream, kGroup};
+    for (const auto& e : entries) {
+      if (g_stop) break;
+      stats.note('D');
+      if (handle(e)) ack.push_back(e.id);
+    }
+    if (ack.size() > 3) {
+      try {
+        r.cmd(ack);
+      } catch (const std::exception&) {
+        // Redis is down: the entries stay pending and come back (as duplicates) later.
+      }
+    }
+  };
+
+  std::string own_cursor = "0";  // first our own pending entries (a previous incarnation's)
+  bool own_done = false;
+  std::string claim_cursor = "0-0";
+  auto last_claim = Clock::now() - 1h;
+  while (!g_stop && Clock::now() < hard_stop) {
+    try {
+      if (!own_done) {
+        auto rep = r.cmd({"XREADGROUP", "GROUP", kGroup, consumer, "COUNT", "32", "STREAMS", stream, own_cursor});
+        std::vector<Entry> es;
+        if (rep->type == REDIS_REPLY_ARRAY && rep->elements > 0) es = parse_entries(rep->element[0]->element[1]);
+        if (es.empty()) {
+          own_done = true;
+        } else {
+          own_cursor = es.back().id;
+          process(es);
+        }
+        continue;
+      }
+      if (Clock::now() - last_claim > 300ms) {
+        last_claim = Clock::now();
+        auto rep = r.cmd({"XAUTOCLAIM", stream, kGroup, consumer, std::to_string(kLease.count()), claim_cursor,
+                          "COUNT", "32"});
+        if (rep->type == REDIS_REPLY_ARRAY && rep->elements >= 2) {
+          claim_cursor = str(rep->element[0]);
+          auto es = parse_entries(rep->element[1]);
+          if (!es.empty()) {
+            process(es);
+            continue;
+          }
+        }
+      }
+      auto rep = r.cmd({"XREADGROUP", "GROUP", kGroup, consumer, "COUNT", "16", "BLOCK", "100", "STREAMS", stream, ">"});
+      if (rep->type == REDIS_REPLY_ARRAY && rep->elements > 0) process(parse_entries(rep->element[0]->element[1]));
+    } catch (const std::exception&) {
+      stats.note('R');
+      std::this_thread::sleep_for(100ms);
+    }
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The driver.
+
+struct Event {
+  std::string id;
+  int account;
+  long long amount;  // signed cents: credit > 0, debit < 0
+};
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) throw std::runtime_error("cannot read /proc/self/exe");
+  return {buf, static_cast<size_t>(n)};
+}
+
+// Runs pg_cluster.sh and waits; the driver has no other threads, so fork+exec is safe.
+int run_pg_cluster(const std::vector<std::string>& args, int log_fd) {
+  std::vector<std::string> a{"/bin/sh", IDEM_PG_CLUSTER_SCRIPT};
+  a.insert(a.end(), args.begin(), args.end());
+  const pid_t pid = idem::test::spawn(a, log_fd);
+  int st = 0;
+  while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+struct Counts {
+  std::map<char, long long> c;
+  long long operator[](char k) const {
+    auto it = c.find(k);
+    return it == c.end() ? 0 : it->second;
+  }
+};
+
+Counts read_stats(const std::string& dir) {
+  Counts out;
+  for (const auto& f : std::filesystem::directory_iterator(dir)) {
+    if (f.path().filename().string().rfind("stats-", 0) != 0) continue;
+    std::ifstream in(f.path());
+    std::string line;
+    while (std::getline(in, line))
+      if (!line.empty()) ++out.c[line[0]];
+  }
+  return out;
+}
+
+long long stats_lines(const std::string& dir) {
+  long long bytes = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir))
+    if (f.path().filename().string().rfind("stats-", 0) == 0) bytes += static_cast<long long>(f.file_size());
+  return bytes / 2;
+}
+
+struct Result {
+  bool ok = false;
+  bool finished = false;
+  long long doubles = 0, lost = 0, bad_balances = 0, unexplained = 0;
+};
+
+class Driver {
+public:
+  Driver(idem::test::RedisServer& redis, std::string pg_state, std::string conninfo, std::string work, int log_fd)
+      : redis_(redis), pg_state_(std::move(pg_state)), conninfo_(std::move(conninfo)), work_(std::move(work)),
+        log_fd_(log_fd), exe_(self_exe()) {}
+
+  Result run(char setup, int n_events, std::uint64_t seed, Clock::duration bound) {
+    const std::string T(1, setup);
+    const std::string stream = "chaos:" + T;
+    const std::string dir = work_ + "/" + T;
+    std::filesystem::create_directories(dir);
+    Result res;
+
+    // Tables: accounts, the append-only effects log (no uniqueness: it counts every application).
+    {
+      Pg pg(conninfo_);
+      pg.exec("SET client_min_messages = warning");
+      pg.exec("DROP TABLE IF EXISTS " + T + "_accounts, " + T + "_effects, " + T + "_applied");
+      pg.exec("CREATE TABLE " + T + "_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
+      pg.exec("INSERT INTO " + T + "_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
+      pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
+      if (setup == 'b') pg.exec("CREATE TABLE b_applied (event_id text PRIMARY KEY)");
+      if (setup == 'a') {
+        idem::PostgresStore s({.conninfo = conninfo_, .table = "records_a", .mode = idem::PgMode::transactional});
+        s.migrate();
+      }
+    }
+    Redis r(redis_.port());
+    r.cmd({"DEL", stream, stream + ":dlq"});
+    r.cmd({"XGROUP", "CREATE", stream, kGroup, "0", "MKSTREAM"});
+
+    // The events: unique ids, ~20% published twice, shuffled.
+    std::mt19937_64 rng(seed ^ static_cast<std::uint64_t>(setup));
+    std::vector<Event> events;
+    events.reserve(static_cast<size_t>(n_events));
+    for (int i = 0; i < n_events; ++i) {
+      const long long cents = static_cast<long long>(rng() % 100'000) + 1;
+      events.push_back({"ev-" + T + "-" + std::to_string(i), static_cast<int>(rng() % kAccounts),
+                        (rng() % 3 == 0) ? -cents : cents});
+    }
+    std::vector<int> order;
+    for (int i = 0; i < n_events; ++i) order.push_back(i);
+    for (int i = 0; i < n_events / 5; ++i) order.push_back(static_cast<int>(rng() % static_cast<std::uint64_t>(n_events)));
+    std::shuffle(order.begin(), order.end(), rng);
+    const long long planned = static_cast<long long>(order.size());
+
+    std::vector<pid_t> pids(kConsumers, -1);
+    int incarnation = 0;
+    auto spawn = [&](int slot) {
+      const std::string name = "consumer-" + std::to_string(slot);
+      pids[static_cast<size_t>(slot)] =
+          idem::test::spawn({exe_, "worker", T, std::to_string(redis_.port()), conninfo_ + " connect_timeout=2", name,
+                             dir + "/stats-" + std::to_string(++incarnation)},
+                            log_fd_);
+    };
+    auto reap = [](pid_t pid) {
+      int st = 0;
+      while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
+      }
+    };
+    for (int i = 0; i < kConsumers; ++i) spawn(i);
+
+    const auto t0 = Clock::now();
+    const auto deadline = t0 + bound;
+    std::uniform_int_distribution<int> kill_gap(100, 300);
+    auto next_kill = t0 + std::chrono::milliseconds(kill_gap(rng));
+    size_t published = 0;
+    long long republished = 0;
+    long long crashes = 0, unexpected_exits = 0, restarts = 0;
+    bool redis_restarted = false, pg_restarted = false;
+    auto last_check = t0;
+    const size_t chunk = 400;  // per 50 ms: 8,000 events/s, so production overlaps consumption
+    auto next_publish = t0;
+
+    while (!g_stop && Clock::now() < deadline) {
+      std::this_thread::sleep_for(10ms);
+      const auto now = Clock::now();
+      // Producer: at-least-once itself (a chunk whose replies were lost is published again).
+      if (published < order.size() && now >= next_publish) {
+        next_publish = now + 50ms;
+        const size_t end = std::min(order.size(), published + chunk);
+        std::vector<std::vector<std::string>> cmds;
+        for (size_t i = published; i < end; ++i) {
+          const Event& e = events[static_cast<size_t>(order[i])];
+          cmds.push_back({"XADD", stream, "*", "e", e.id, "a", std::to_string(e.account), "m", std::to_string(e.amount)});
+        }
+        try {
+          r.pipeline(cmds);
+          published = end;
+        } catch (const std::exception&) {
+          republished += static_cast<long long>(end - published);  // upper bound; some may repeat
+        }
+      }
+      // Consumers that died on their own are restarted too (and counted).
+      for (int i = 0; i < kConsumers; ++i) {
+        int st = 0;
+        if (::waitpid(pids[static_cast<size_t>(i)], &st, WNOHANG) == pids[static_cast<size_t>(i)]) {
+          ++unexpected_exits;
+          spawn(i);
+        }
+      }
+      // Killer.
+      if (now >= next_kill) {
+        const int slot = static_cast<int>(rng() % kConsumers);
+        ::kill(pids[static_cast<size_t>(slot)], SIGKILL);
+        reap(pids[static_cast<size_t>(slot)]);
+        ++crashes;
+        spawn(slot);
+        next_kill = now + std::chrono::milliseconds(kill_gap(rng));
+      }
+      // Server restarts, once each, at 30% and 65% of the planned deliveries.
+      const long long progress = stats_lines(dir);
+      if (!redis_restarted && progress * 10 >= planned * 3 * 2) {  // 'D' + outcome lines: 2 per delivery
+        redis_restarted = true;
+        r.drop();
+        redis_.stop(SIGKILL);
+        std::this_thread::sleep_for(300ms);
+        redis_.start();
+        ++restarts;
+        std::fprintf(stderr, "[%c] redis-server SIGKILLed and restarted (AOF) at %.1f s\n", setup,
+                     std::chrono::duration<double>(Clock::now() - t0).count());
+      }
+      if (redis_restarted && !pg_restarted && progress * 100 >= planned * 65 * 2) {
+        pg_restarted = true;
+        const auto p0 = Clock::now();
+        if (run_pg_cluster({"restart", pg_state_}, log_fd_) != 0) throw std::runtime_error("pg_cluster.sh restart failed");
+        ++restarts;
+        std::fprintf(stderr, "[%c] PostgreSQL restarted at %.1f s (took %.1f s)\n", setup,
+                     std::chrono::duration<double>(p0 - t0).count(), std::chrono::duration<double>(Clock::now() - p0).count());
+      }
+      // Done when everything is published, both restarts happened, all entries were delivered
+      // to the group and none is pending.
+      if (published == order.size() && pg_restarted && now - last_check > 250ms) {
+        last_check = now;
+        try {
+          if (drained(r, stream)) {
+            res.finished = true;
+            break;
+          }
+        } catch (const std::exception&) {
+        }
+      }
+    }
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    for (pid_t p : pids) ::kill(p, SIGTERM);
+    const auto grace = Clock::now() + 3s;
+    for (pid_t p : pids) {
+      int st = 0;
+      while (::waitpid(p, &st, WNOHANG) == 0) {
+        if (Clock::now() > grace) {
+          ::kill(p, SIGKILL);
+          reap(p);
+          break;
+        }
+        std::this_thread::sleep_for(10ms);
+      }
+    }
+
+    // Measure: what the business transactions applied, per event.
+    Pg pg(conninfo_);
+    std::unordered_map<std::string, long long> applied;
+    {
+      auto rows = pg.exec("SELECT event_id, count(*) FROM " + T + "_effects GROUP BY event_id");
+      for (int i = 0; i < rows.rows(); ++i) applied[std::string(rows.get(i, 0))] = std::atoll(std::string(rows.get(i, 1)).c_str());
+    }
+    std::vector<long long> expected(kAccounts, 0), explained(kAccounts, 0);
+    long long effects_total = 0;
+    for (const auto& e : events) {
+      expected[static_cast<size_t>(e.account)] += e.amount;
+      auto it = applied.find(e.id);
+      const long long n = it == applied.end() ? 0 : it->second;
+      effects_total += n;
+      explained[static_cast<size_t>(e.account)] += n * e.amount;
+      if (n == 0) ++res.lost;
+      if (n > 1) res.doubles += n - 1;
+    }
+    {
+      auto rows = pg.exec("SELECT id, balance FROM " + T + "_accounts ORDER BY id");
+      for (int i = 0; i < rows.rows(); ++i) {
+        const auto id = static_cast<size_t>(std::atoi(std::string(rows.get(i, 0)).c_str()));
+        const long long bal = std::atoll(std::string(rows.get(i, 1)).c_str());
+        if (id < expected.size() && bal != expected[id]) ++res.bad_balances;
+        if (id < explained.size() && bal != explained[id]) ++res.unexplained;  // balance vs. the effects log
+      }
+    }
+    long long dlq = -1;
+    try {
+      dlq = r.cmd({"XLEN", stream + ":dlq"})->integer;
+    } catch (const std::exception&) {
+    }
+    const Counts c = read_stats(dir);
+    const char* names[] = {"", "PostgreSQL transactional mode (balance UPDATE through ctx.tx)",
+                           "RedisStore + PostgreSQL transaction with applied_events ON CONFLICT DO NOTHING",
+                           "RedisStore + plain autocommit UPDATE"};
+    std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
+                names[setup - 'a' + 1], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
+    std::printf("(%c) deliveries: %lld\n", setup, c['D']);
+    // A consumer killed right after its commit cannot count its run: the effects log is the truth.
+    std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'], effects_total,
+                setup == 'b' ? (", handler runs skipped by applied_events: " + std::to_string(c['K'])).c_str() : "");
+    std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
+    std::printf("(%c) stale skipped: %lld\n", setup, c['S']);
+    std::printf("(%c) in-flight left for redelivery: %lld, lease lost: %lld, dead-lettered: %lld, store/db errors retried: %lld\n",
+                setup, c['I'], c['L'], dlq, c['E'] + c['B']);
+    std::printf("(%c) crashes injected: %lld (unexpected consumer exits: %lld)\n", setup, crashes, unexpected_exits);
+    std::printf("(%c) server restarts: %lld (redis-server SIGKILL + AOF restart, PostgreSQL restart)\n", setup, restarts);
+    std::printf("(%c) double effects: %lld\n", setup, res.doubles);
+    std::printf("(%c) lost messages: %lld\n", setup, res.lost);
+    std::printf("(%c) balances: %d accounts, %lld differ from the expected value, %lld differ from the effects log\n",
+                setup, kAccounts, res.bad_balances, res.unexplained);
+    std::fflush(stdout);
+    (void)republished;
+
+    if (setup == 'c')
+      res.ok = res.finished && res.lost == 0 && res.unexplained == 0;
+    else
+      res.ok = res.finished && res.lost == 0 && res.doubles == 0 && res.bad_balances == 0 && res.unexplained == 0;
+    return res;
+  }
+
+private:
+  static bool drained(Redis& r, const std::string& stream) {
+    auto info = r.cmd({"XINFO", "STREAM", stream});
+    std::string last_generated;
+    for (size_t i = 0; i + 1 < info->elements; i += 2)
+      if (str(info->element[i]) == "last-generated-id") last_generated = str(info->element[i + 1]);
+    auto groups = r.cmd({"XINFO", "GROUPS", stream});
+    for (size_t g = 0; g < groups->elements; ++g) {
+      const redisReply* gr = groups->element[g];
+      std::string last_delivered;
+      long long pending = -1;
+      for (size_t i = 0; i + 1 < gr->elements; i += 2) {
+        const std::string k = str(gr->element[i]);
+        if (k == "last-delivered-id") last_delivered = str(gr->element[i + 1]);
+        if (k == "pending") pending = gr->element[i + 1]->integer;
+      }
+      if (!last_generated.empty() && last_delivered == last_generated && pending == 0) return true;
+    }
+    return false;
+  }
+
+  idem::test::RedisServer& redis_;
+  std::string pg_state_, conninfo_, work_;
+  int log_fd_;
+  std::string exe_;
+};
+
+int driver_main(int argc, char** argv) {
+  bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
+  int events = 0;
+  std::string setups = "abc";
+  std::uint64_t seed = std::random_device{}();
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--large") large = true;
+    else if (a == "--events" && i + 1 < argc) events = std::atoi(argv[++i]);
+    else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
+    else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    else {
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abc] [--seed S]\n");
+      return 2;
+    }
+  }
+  if (events <= 0) events = large ? 100'000 : 20'000;
+  const auto bound = large ? Clock::duration(15min) : Clock::duration(100s);
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  char tmpl[] = "/tmp/idem-chaos-XXXXXX";
+  if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("mkdtemp failed");
+  const std::string work = tmpl;
+  const std::string log = work + "/children.log";
+  const int log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  const std::string pg_state = work + "/pg";
+  struct WorkDir {  // removed last, after the servers are gone (kept when IDEM_CHAOS_KEEP=1)
+    std::string path;
+    ~WorkDir() {
+      std::error_code ec;
+      if (!std::getenv("IDEM_CHAOS_KEEP")) std::filesystem::remove_all(path, ec);
+    }
+  } work_dir{work};
+  std::printf("chaos: seed %llu, %d events per setup, %d consumers, kills every 100-300 ms, work dir %s\n",
+              static_cast<unsigned long long>(seed), events, kConsumers, work.c_str());
+  std::fflush(stdout);
+
+  // Servers: stopped by RAII on every path out of here (and killed with us: PDEATHSIG for
+  // redis-server and the consumers; the PostgreSQL cluster by pg_cluster.sh stop).
+  struct PgGuard {
+    std::string state;
+    int fd;
+    ~PgGuard() { run_pg_cluster({"stop", state}, fd); }
+  } pg_guard{pg_state, log_fd};
+  if (run_pg_cluster({"start", pg_state}, log_fd) != 0) {
+    std::fprintf(stderr, "chaos: PostgreSQL did not start; see %s\n", log.c_str());
+    return 1;
+  }
+  std::string conninfo;
+  {
+    std::ifstream in(pg_state + "/conninfo");
+    std::getline(in, conninfo);
+  }
+  // Redis persists with AOF and appendfsync always: every write is in the AOF (write(2)) before
+  // its reply, so a SIGKILL of redis-server loses nothing acknowledged. The AOF goes to tmpfs when
+  // there is one: fsync there is free, and the run injects process crashes, not power loss.
+  std::string aof_dir = work + "/redis-data";
+  {
+    char shm[] = "/dev/shm/idem-chaos-XXXXXX";
+    if (std::filesystem::is_directory("/dev/shm") && ::mkdtemp(shm) != nullptr) aof_dir = shm;
+    else std::filesystem::create_directories(aof_dir);
+  }
+  struct AofDir {
+    std::string path;
+    ~AofDir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  } aof_guard{aof_dir};
+  idem::test::RedisServer redis({"dir " + aof_dir, "appendonly yes", "appendfsync always", "aof-use-rdb-preamble yes"});
+
+  bool ok = true;
+  const auto t0 = Clock::now();
+  for (char s : setups) {
+    if (s < 'a' || s > 'c' || g_stop) continue;
+    Driver d(redis, pg_state, conninfo, work, log_fd);
+    const Result r = d.run(s, events, seed, bound);
+    if (!r.ok) {
+      ok = false;
+      std::printf("(%c) FAILED\n", s);
+    }
+  }
+  std::printf("chaos: total wall %.1f s: %s\n", std::chrono::duration<double>(Clock::now() - t0).count(),
+              ok ? "PASS" : "FAIL");
+  if (!ok) {
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::string s = ss.str();
+    std::fprintf(stderr, "children's log (tail):\n%s\n", s.size() > 4000 ? s.substr(s.size() - 4000).c_str() : s.c_str());
+  }
+  std::fflush(stdout);
+  // pg_guard stops the cluster as this returns; the work dir goes after it.
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc > 1 && std::string(argv[1]) == "worker") return worker_main(argc, argv);
+    return driver_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "idem_chaos: %s\n", e.what());
+    return 1;
+  }
+}
