@@ -1,8 +1,9 @@
 // Memory-store benchmark: the guard with a no-op handler next to the cheapest thing that could
 // possibly do its job — one insert into a sharded, mutex-guarded hash map — in the same run.
 //
-//   idem_bench_memory [--ops N]     (use the release preset: scripts/bench)
+//   idem_bench_memory [--ops N] [--reps R]     (release preset: scripts/bench memory)
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -72,32 +73,50 @@ double ops_per_sec(int threads, long ops_per_thread, Op op) {
 
 int main(int argc, char** argv) {
   long ops = 400'000;
-  for (int i = 1; i + 1 < argc; ++i)
+  int reps = 5;
+  for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--ops") ops = std::strtol(argv[i + 1], nullptr, 10);
-  if (ops <= 0) {
-    std::fprintf(stderr, "usage: idem_bench_memory [--ops N>0]\n");
+    if (std::string(argv[i]) == "--reps") reps = static_cast<int>(std::strtol(argv[i + 1], nullptr, 10));
+  }
+  if (ops <= 0 || reps <= 0) {
+    std::fprintf(stderr, "usage: idem_bench_memory [--ops N>0] [--reps R>0]\n");
     return 2;
   }
-  std::printf("%-8s %-34s %14s %14s %8s\n", "threads", "case", "idem ops/s", "raw map ops/s", "ratio");
+  // Each number is the median of `reps` rounds that interleave the baseline and the guard, so a
+  // burst of load from elsewhere on the machine moves one sample, not the ratio.
+  std::printf("%-8s %-34s %14s %14s %8s\n", "threads", "case (median of reps)", "idem ops/s", "raw map ops/s",
+              "ratio");
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   for (int threads : {1, 2}) {
     const long per = ops / threads;
-    RawShardedMap raw;
-    const double base = ops_per_sec(threads, per, [&](const std::string& k) { raw.insert(k); });
+    std::vector<double> base, fresh, dup, hit;
+    for (int r = 0; r < reps; ++r) {
+      RawShardedMap raw;
+      base.push_back(ops_per_sec(threads, per, [&](const std::string& k) { raw.insert(k); }));
 
-    idem::MemoryStore store({.shards = 64, .max_records = 0});
-    idem::IdempotencyGuard guard(store, {.retention = std::chrono::hours{1}});
-    const double fresh = ops_per_sec(threads, per, [&](const std::string& k) { guard.run(k, [] {}); });
-    // Same keys again: every run is now a duplicate answered by the store.
-    const double dup = ops_per_sec(threads, per, [&](const std::string& k) { guard.run(k, [] {}); });
+      idem::MemoryStore store({.shards = 64, .max_records = 0});
+      idem::IdempotencyGuard guard(store, {.retention = std::chrono::hours{1}});
+      fresh.push_back(ops_per_sec(threads, per, [&](const std::string& k) { guard.run(k, [] {}); }));
+      // Same keys again: every run is now a duplicate answered by the store.
+      dup.push_back(ops_per_sec(threads, per, [&](const std::string& k) { guard.run(k, [] {}); }));
 
-    idem::MemoryStore cstore({.shards = 64, .max_records = 0});
-    idem::IdempotencyGuard cached(cstore, {.retention = std::chrono::hours{1}, .cache_capacity = 1u << 20});
-    ops_per_sec(threads, per, [&](const std::string& k) { cached.run(k, [] {}); });
-    const double hit = ops_per_sec(threads, per, [&](const std::string& k) { cached.run(k, [] {}); });
-
-    std::printf("%-8d %-34s %14.0f %14.0f %8.2f\n", threads, "new key (acquire+complete)", fresh, base, fresh / base);
-    std::printf("%-8d %-34s %14.0f %14.0f %8.2f\n", threads, "duplicate (one store lookup)", dup, base, dup / base);
-    std::printf("%-8d %-34s %14.0f %14.0f %8.2f\n", threads, "duplicate from in-process cache", hit, base, hit / base);
+      idem::MemoryStore cstore({.shards = 64, .max_records = 0});
+      idem::IdempotencyGuard cached(cstore, {.retention = std::chrono::hours{1}, .cache_capacity = 1u << 20});
+      ops_per_sec(threads, per, [&](const std::string& k) { cached.run(k, [] {}); });
+      hit.push_back(ops_per_sec(threads, per, [&](const std::string& k) { cached.run(k, [] {}); }));
+    }
+    const double b = median(base);
+    const struct {
+      const char* name;
+      double v;
+    } rows[] = {{"new key (acquire+complete)", median(fresh)},
+                {"duplicate (one store lookup)", median(dup)},
+                {"duplicate from in-process cache", median(hit)}};
+    for (const auto& row : rows)
+      std::printf("%-8d %-34s %14.0f %14.0f %8.2f\n", threads, row.name, row.v, b, row.v / b);
   }
   return 0;
 }
