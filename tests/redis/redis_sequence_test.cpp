@@ -1,0 +1,238 @@
+// RedisSequenceStore against a real redis-server started by the test: compare-and-set semantics
+// (in order, older, equal, gaps, full uint64 range), key layout and hash slot, script reload after
+// SCRIPT FLUSH, an 8-thread race, SequenceGate over RedisStore, bad input, binary-safe entities,
+// corrupt values and a dead server (typed errors, fail closed).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem/idem.hpp"
+#include "idem/redis_sequence.hpp"
+#include "idem/redis_store.hpp"
+#include "redis_factory.hpp"
+
+using namespace std::chrono_literals;
+using idem::RedisSequenceStore;
+using idem::Status;
+using idem::test::RedisServer;
+
+namespace {
+
+RedisServer& server() {
+  static RedisServer s;
+  return s;
+}
+
+idem::RedisOptions opts() {
+  idem::RedisOptions o = server().options();
+  o.pool_size = 16;
+  o.key_prefix = "seqtest-" + idem::test::random_hex() + ":";
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("redis sequence: compare-and-set in order, older, equal, gaps") {
+  RedisSequenceStore s{opts()};
+  CHECK_FALSE(s.last_applied("acct-1").has_value());
+
+  auto a = s.advance("acct-1", 3);
+  CHECK(a.advanced);
+  CHECK_FALSE(a.previous.has_value());
+  CHECK(s.last_applied("acct-1") == 3u);
+
+  a = s.advance("acct-1", 4);  // in order
+  CHECK(a.advanced);
+  CHECK(a.previous == 4u - 1);
+
+  a = s.advance("acct-1", 2);  // older
+  CHECK_FALSE(a.advanced);
+  CHECK(a.previous == 4u);
+
+  a = s.advance("acct-1", 4);  // equal never advances
+  CHECK_FALSE(a.advanced);
+  CHECK(a.previous == 4u);
+
+  a = s.advance("acct-1", 10);  // gap allowed
+  CHECK(a.advanced);
+  CHECK(a.previous == 4u);
+  a = s.advance("acct-1", 9);  // the skipped one is now stale
+  CHECK_FALSE(a.advanced);
+  CHECK(s.last_applied("acct-1") == 10u);
+
+  CHECK_FALSE(s.last_applied("acct-2").has_value());  // entities are independent
+  CHECK(s.advance("acct-2", 0).advanced);             // 0 is a valid first sequence
+  CHECK_FALSE(s.advance("acct-2", 0).advanced);
+}
+
+TEST_CASE("redis sequence: exact over the whole uint64 range (decimal compare, not Lua doubles)") {
+  RedisSequenceStore s{opts()};
+  const std::uint64_t two53 = std::uint64_t{1} << 53;  // 2^53 + 1 is 2^53 as a Lua double
+  CHECK(s.advance("e", two53).advanced);
+  CHECK(s.advance("e", two53 + 1).advanced);
+  CHECK_FALSE(s.advance("e", two53).advanced);
+  CHECK(s.last_applied("e") == two53 + 1);
+  CHECK(s.advance("e", 99999999999999999).advanced);
+  CHECK(s.advance("e", 100000000000000000).advanced);  // longer string is larger
+  const auto max = std::numeric_limits<std::uint64_t>::max();
+  CHECK(s.advance("e", max - 1).advanced);
+  CHECK(s.advance("e", max).advanced);
+  CHECK_FALSE(s.advance("e", max).advanced);
+  CHECK(s.last_applied("e") == max);
+}
+
+TEST_CASE("redis sequence: key layout, hash tag shared with tagged idempotency keys") {
+  auto o = opts();
+  RedisSequenceStore s{o};
+  idem::RedisStore store{o};
+  CHECK(s.sequence_key("acct-42") == o.key_prefix + "seq:{acct-42}");
+  s.advance("acct-42", 7);
+  CHECK(server().command({"GET", o.key_prefix + "seq:{acct-42}"}) == "7");
+  CHECK(server().command({"PTTL", o.key_prefix + "seq:{acct-42}"}) == "-1");  // never expires
+  CHECK(idem::RedisStore::hash_slot(s.sequence_key("acct-42")) ==
+        idem::RedisStore::hash_slot(store.redis_key("{acct-42}:evt-9")));
+  CHECK(s.script_sha().size() == 40);
+  CHECK(s.erase("acct-42"));
+  CHECK_FALSE(s.erase("acct-42"));
+  CHECK_FALSE(s.last_applied("acct-42").has_value());
+}
+
+TEST_CASE("redis sequence: the script reloads itself after SCRIPT FLUSH") {
+  RedisSequenceStore s{opts()};
+  CHECK(s.advance("x", 1).advanced);
+  server().command({"SCRIPT", "FLUSH"});
+  CHECK(s.advance("x", 2).advanced);
+  CHECK(s.last_applied("x") == 2u);
+}
+
+TEST_CASE("redis sequence: binary-safe entity ids") {
+  RedisSequenceStore s{opts()};
+  const std::string a("acct\0one", 8), b("acct\0two", 8), braces = "{x}y}\r\n\xff";
+  CHECK(s.advance(a, 5).advanced);
+  CHECK(s.advance(b, 1).advanced);
+  CHECK(s.advance(braces, 9).advanced);
+  CHECK(s.last_applied(a) == 5u);
+  CHECK(s.last_applied(b) == 1u);
+  CHECK(s.last_applied(braces) == 9u);
+  CHECK_FALSE(s.last_applied(std::string("acct", 4)).has_value());
+}
+
+TEST_CASE("redis sequence: bad input and damaged values are typed errors") {
+  auto o = opts();
+  RedisSequenceStore s{o};
+  CHECK_THROWS_AS(s.advance("", 1), idem::invalid_entity_error);
+  CHECK_THROWS_AS(s.last_applied(""), idem::invalid_entity_error);
+  CHECK_THROWS_AS(s.advance(std::string(2000, 'x'), 1), idem::invalid_entity_error);
+
+  server().command({"SET", s.sequence_key("junk"), "12abc"});
+  CHECK_THROWS_AS(s.advance("junk", 1), idem::corrupt_record_error);  // the script refuses it
+  CHECK_THROWS_AS(s.last_applied("junk"), idem::corrupt_record_error);
+  CHECK(server().command({"GET", s.sequence_key("junk")}) == "12abc");  // nothing overwritten
+
+  server().command({"LPUSH", s.sequence_key("list"), "1"});
+  try {
+    s.advance("list", 1);
+    FAIL("no error");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "WRONGTYPE");
+    CHECK_FALSE(e.retryable());
+  }
+
+  RedisSequenceStore moved = std::move(s);
+  CHECK_THROWS_AS(s.advance("a", 1), idem::usage_error);  // NOLINT(bugprone-use-after-move)
+  CHECK(moved.advance("a", 1).advanced);
+}
+
+TEST_CASE("redis sequence: an unreachable server is a connection_error") {
+  idem::RedisOptions o;
+  o.host = "127.0.0.1";
+  o.port = idem::test::free_port();
+  o.connect_timeout = 500ms;
+  CHECK_THROWS_AS(RedisSequenceStore{o}, idem::connection_error);
+  o.pool_size = 0;
+  CHECK_THROWS_AS(RedisSequenceStore{o}, idem::invalid_options_error);
+}
+
+TEST_CASE("redis sequence: 8 threads on shared entities end at the max, each advance once") {
+  RedisSequenceStore s{opts()};
+  constexpr int threads = 8, entities = 4, per_entity = 60;
+  std::mutex mu;
+  std::vector<std::multiset<std::uint64_t>> won(entities);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      std::mt19937_64 rng(static_cast<std::uint64_t>(t) * 7919u + 1u);
+      std::vector<std::pair<int, std::uint64_t>> work;
+      for (int e = 0; e < entities; ++e)
+        for (std::uint64_t q = 1; q <= per_entity; ++q) work.emplace_back(e, q);
+      std::shuffle(work.begin(), work.end(), rng);
+      for (auto [e, q] : work) {
+        const auto r = s.advance("ent-" + std::to_string(e), q);
+        if (r.advanced) {
+          std::lock_guard lk(mu);
+          won[static_cast<std::size_t>(e)].insert(q);
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (int e = 0; e < entities; ++e) {
+    CHECK(s.last_applied("ent-" + std::to_string(e)) == std::uint64_t{per_entity});
+    const auto& w = won[static_cast<std::size_t>(e)];
+    CHECK(w.count(per_entity) == 1);                                   // the max won exactly once
+    CHECK(std::set<std::uint64_t>(w.begin(), w.end()).size() == w.size());  // each advance unique
+  }
+}
+
+TEST_CASE("redis sequence: SequenceGate over RedisStore answers stale and advances") {
+  auto o = opts();
+  idem::RedisStore store{o};
+  RedisSequenceStore seqs{o};
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  idem::SequenceGate gate{seqs};
+  std::vector<std::uint64_t> ran;
+  auto deliver = [&](std::uint64_t seq, std::string_view entity = "acct-1") {
+    const std::string key = "{" + std::string(entity) + "}:evt-" + std::to_string(seq);
+    return gate.run(guard, {.key = key, .entity = entity, .seq = seq}, [&] {
+      ran.push_back(seq);
+      return static_cast<long>(seq);
+    });
+  };
+  auto o1 = deliver(1);
+  CHECK(o1.status == Status::executed);
+  CHECK(o1.advanced);
+  auto o3 = deliver(3);
+  CHECK(o3.status == Status::executed);
+  auto o2 = deliver(2);  // reordered: older than 3
+  CHECK(o2.status == Status::stale);
+  CHECK(o2.action() == idem::BrokerAction::ack);
+  CHECK(o2.last_applied == 3u);
+  auto o3b = deliver(3);  // duplicate delivery of 3: stale by sequence
+  CHECK(o3b.status == Status::stale);
+  CHECK(ran == std::vector<std::uint64_t>{1, 3});
+  CHECK(seqs.last_applied("acct-1") == 3u);
+  CHECK(gate.last_applied("acct-1") == 3u);
+
+  // Crash between completion and advance: the redelivery is a duplicate that repairs the advance.
+  auto first = guard.run("{acct-1}:evt-5", [&] { return 5L; });
+  CHECK(first.status == Status::executed);
+  auto o5 = deliver(5);
+  CHECK(o5.status == Status::duplicate);
+  CHECK(o5.advanced);
+  CHECK(seqs.last_applied("acct-1") == 5u);
+
+  // A throwing handler does not advance.
+  CHECK_THROWS_AS(gate.run(guard, {.key = "{acct-1}:evt-6", .entity = "acct-1", .seq = 6},
+                           [&]() -> long { throw std::runtime_error("boom"); }),
+                  std::runtime_error);
+  CHECK(seqs.last_applied("acct-1") == 5u);
+}
