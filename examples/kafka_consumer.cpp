@@ -167,9 +167,18 @@ class KafkaConsumer {
 public:
   /// Called after each stored offset (partition, next offset); --mock uses it to know when all is done.
   using AckHook = std::function<void(std::int32_t, std::int64_t)>;
+  /// Called at the end of each rebalance callback: (assigned, partitions in the event); --mock uses it
+  /// to change the group's membership only while the group is settled.
+  using RebalanceHook = std::function<void(bool, int)>;
 
-  KafkaConsumer(Settings s, Guard& guard, Ledger& ledger, Stats& stats, AckHook on_ack = {})
-      : s_(std::move(s)), guard_(guard), ledger_(ledger), stats_(stats), on_ack_(std::move(on_ack)) {
+  KafkaConsumer(Settings s, Guard& guard, Ledger& ledger, Stats& stats, AckHook on_ack = {},
+                RebalanceHook on_rebalance = {})
+      : s_(std::move(s)),
+        guard_(guard),
+        ledger_(ledger),
+        stats_(stats),
+        on_ack_(std::move(on_ack)),
+        on_rebalance_(std::move(on_rebalance)) {
     if (s_.dlq_topic.empty()) s_.dlq_topic = s_.topic + ".dlq";
     rd_kafka_conf_t* conf = rd_kafka_conf_new();
     set_conf(conf, "bootstrap.servers", s_.brokers);
@@ -433,11 +442,31 @@ private:
   // Runs inside rd_kafka_consumer_poll on the consumer thread, possibly while a batch is half done.
   void on_rebalance(rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t* parts) {
     stats_.rebalances.fetch_add(1);
-    const bool cooperative = std::strcmp(rd_kafka_rebalance_protocol(rk_), "COOPERATIVE") == 0;
     std::string names;
     for (int i = 0; i < parts->cnt; ++i) names += (i ? "," : "") + std::to_string(parts->elems[i].partition);
-    std::fprintf(stderr, "[%s] %.2fs %s partitions [%s]\n", s_.client_id.c_str(), uptime(),
-                 err == RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS ? "assigned" : "revoked", names.c_str());
+    // rd_kafka_consumer_close() can serve a rebalance event *after* the consumer group has
+    // terminated: a revoke queued by a rebalance that another member started (its join or
+    // LeaveGroup) just before this consumer began to close. librdkafka (seen with 2.0.2) has then
+    // dropped the assignment itself and shut the group's ops queue down: rd_kafka_rebalance_protocol()
+    // returns NULL (strcmp on it was a SIGSEGV), and every call that round-trips through that queue
+    // (rd_kafka_assign, a sync rd_kafka_commit) fails or, if its request was purged, never returns.
+    // Nothing is owned any more: forget the partitions and call nothing else. (Served *just before*
+    // the group terminates, librdkafka itself can still hang or abort: run_mock avoids closing a
+    // consumer while its group rebalances; a service should do the same where it can.)
+    const char* protocol = rd_kafka_consumer_closed(rk_) ? nullptr : rd_kafka_rebalance_protocol(rk_);
+    std::fprintf(stderr, "[%s] %.2fs %s partitions [%s]%s\n", s_.client_id.c_str(), uptime(),
+                 err == RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS ? "assigned" : "revoked", names.c_str(),
+                 protocol ? "" : " (group already closed)");
+    if (!protocol) {
+      for (auto& [partition, ps] : parts_) {
+        ps.owned = false;
+        ++ps.epoch;
+        ps.retry_offset.reset();
+      }
+      if (on_rebalance_) on_rebalance_(false, 0);
+      return;
+    }
+    const bool cooperative = std::strcmp(protocol, "COOPERATIVE") == 0;
     if (err == RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS) {
       for (int i = 0; i < parts->cnt; ++i) {
         PartitionState& ps = parts_[parts->elems[i].partition];
@@ -452,6 +481,7 @@ private:
       }
       // A partition paused for a retry before it was revoked must not stay paused once it is back.
       rd_kafka_resume_partitions(rk_, parts);
+      if (on_rebalance_) on_rebalance_(true, parts->cnt);
       return;
     }
     // Revoked (or lost, or an error): commit what is done while we still own the partitions —
@@ -472,6 +502,7 @@ private:
     } else {
       rd_kafka_assign(rk_, nullptr);
     }
+    if (on_rebalance_) on_rebalance_(false, parts->cnt);
   }
 
   Settings s_;
@@ -479,6 +510,7 @@ private:
   Ledger& ledger_;
   Stats& stats_;
   AckHook on_ack_;
+  RebalanceHook on_rebalance_;
   rd_kafka_t* rk_ = nullptr;
   rd_kafka_t* dlq_ = nullptr;
   std::atomic<rd_kafka_resp_err_t> dlq_err_{RD_KAFKA_RESP_ERR_NO_ERROR};  // set by the DLQ producer's delivery report
@@ -682,9 +714,16 @@ int run_mock(int argc, char** argv) {
     }
     return ok;
   };
-  // 0 = run, 1 = consumer-b stops, 2 = both stop. They leave one after the other: two members
-  // leaving a rebalancing group at once makes the mock time out a LeaveGroup (5 s).
+  // 0 = run, 1 = consumer-b stops, 2 = both stop. Membership changes one at a time, each on a
+  // settled group (see the shutdown below).
   std::atomic<int> stop_level{0};
+  // What each consumer holds, from its rebalance callback: [0] consumer-a, [1] consumer-b.
+  struct Membership {
+    std::atomic<bool> holding{false};  // the last callback was an assignment
+    std::atomic<int> partitions{0};    // partitions in that assignment
+    std::atomic<SteadyClock::rep> changed{0};  // when (SteadyClock ticks)
+  };
+  Membership members[2];
   std::atomic<bool> timed_out{false};
 
   Settings s;
@@ -703,9 +742,14 @@ int run_mock(int argc, char** argv) {
   auto start_consumer = [&](const char* name, int stops_at) {
     Settings mine = s;
     mine.client_id = name;
-    threads.emplace_back([&, mine, stops_at] {
+    Membership* m = &members[threads.size()];
+    threads.emplace_back([&, mine, stops_at, m] {
       try {
-        KafkaConsumer c(mine, guard, ledger, stats, on_ack);
+        KafkaConsumer c(mine, guard, ledger, stats, on_ack, [m](bool assigned, int n) {
+          m->partitions.store(assigned ? n : 0);
+          m->holding.store(assigned);
+          m->changed.store(SteadyClock::now().time_since_epoch().count());
+        });
         c.run([&] { return stop_level.load() < stops_at; });
       } catch (const std::exception& e) {
         std::fprintf(stderr, "[%s] fatal: %s\n", mine.client_id.c_str(), e.what());
@@ -747,10 +791,42 @@ int run_mock(int argc, char** argv) {
     }
     std::this_thread::sleep_for(10ms);
   }
+  // Shutdown: one membership change at a time, each on a settled group, the mock cluster (inside
+  // `producer`) stopped last. Closing a consumer while its group rebalances is what librdkafka
+  // 2.0.2 (Debian 12) gets wrong: if consumer-a starts closing while the rebalance that consumer-b's
+  // LeaveGroup started is still reaching it, close() serves that queued revoke around the moment
+  // the group terminates. Served after it, rd_kafka_rebalance_protocol() returns NULL (handled in
+  // on_rebalance; it was the SIGSEGV in strcmp seen right after "[consumer-b] revoked"); served
+  // just before it, the callback's rd_kafka_assign(NULL) can hang for ever (its request purged with
+  // the group's queue) or librdkafka aborts ("rd_kafka_cgrp_terminated: assert:
+  // !rd_kafka_assignment_in_progress"). Heavy CPU load (CI, TSan) widens that window. So
+  // consumer-b leaves only once both consumers hold an assignment, and consumer-a closes only once
+  // it owns every partition again; that take-over is checked as well.
+  // Settled = the condition holds and no member's assignment changed for a second (a rebalance
+  // reaches every member within a couple of heartbeats, 250 ms here).
+  auto quiet = [&] {
+    const auto last = SteadyClock::time_point(SteadyClock::duration(
+        std::max(members[0].changed.load(), members[1].changed.load())));
+    return SteadyClock::now() - last >= 1s;
+  };
+  auto wait_for = [&](const std::function<bool()>& ready, std::chrono::seconds limit) {
+    const auto until = SteadyClock::now() + limit;
+    while (!(ready() && quiet())) {
+      if (failures.load() != 0 || SteadyClock::now() > until) return false;
+      std::this_thread::sleep_for(10ms);
+    }
+    return true;
+  };
+  const bool settled_before_leave =
+      !joined || wait_for([&] { return members[0].holding.load() && members[1].holding.load(); }, 20s);
   stop_level.store(1);
   if (threads.size() > 1) threads[1].join();
+  const bool took_over = wait_for(
+      [&] { return members[0].holding.load() && members[0].partitions.load() == partitions; }, 20s);
   stop_level.store(2);
   threads[0].join();
+  if (!settled_before_leave) std::fprintf(stderr, "[mock] group not settled before consumer-b left\n");
+  if (!took_over) std::fprintf(stderr, "[mock] consumer-a did not take over all partitions\n");
   if (committed_ok && !committed_at_end(true)) committed_ok = false;  // final commits never go backwards
   rd_kafka_consumer_close(verifier);
   rd_kafka_destroy(verifier);
@@ -784,6 +860,7 @@ int run_mock(int argc, char** argv) {
   std::printf("  %-34s %8ld\n", "rebalance callbacks", stats.rebalances.load());
   std::printf("  %-34s %8ld\n", "commits refused (redelivered later)", stats.commit_failures.load());
   std::printf("  %-34s %8s\n", "second consumer joined", joined ? "yes" : "NO");
+  std::printf("  %-34s %8s\n", "first took over after it left", took_over ? "yes" : "NO");
   auto at = [&](SteadyClock::time_point t) {
     return t == SteadyClock::time_point{} ? -1.0 : std::chrono::duration<double>(t - t0).count();
   };
@@ -796,7 +873,7 @@ int run_mock(int argc, char** argv) {
               once, events - 1, twice, never, balances_ok ? "exact" : "WRONG", committed_ok ? "at end" : "NOT AT END");
   const bool ok = failures.load() == 0 && !timed_out.load() && joined && once == events - 1 && twice == 0 &&
                   never == 0 && balances_ok && committed_ok && poison_skipped && dlq_hi - dlq_lo == 1 &&
-                  stats.rebalances.load() >= 3;
+                  took_over && stats.rebalances.load() >= 3;
   if (timed_out.load()) std::printf("  TIMED OUT after %lld s\n", static_cast<long long>(time_limit.count()));
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
