@@ -177,39 +177,24 @@ private:
 
     const Holder holder = ar.holder;
     Outcome<R> out;
-    out.fence = holder.fence;
-    out.attempt = ar.attempts;
-    out.takeover = ar.takeover;
-
     // A stop_source allocates its shared state; only the heartbeat can fire it, so without a
     // heartbeat the handler gets a token that can never stop.
     std::stop_source stop = options_.heartbeat ? std::stop_source{} : std::stop_source{std::nostopstate};
     context_type ctx{};
-    fill_context(ctx, key, ar, stop);
+    begin_run(ctx, out, key, ar, stop);
     std::string encoded;
     {
       Heartbeat hb(*this, key, holder, stop);
       try {
-        if constexpr (std::is_void_v<R>) {
-          invoke(handler, ctx);
-          out.value.emplace();
-        } else {
-          out.value.emplace(invoke(handler, ctx));
-          encoded = encode<R>(*out.value);
-        }
+        encoded = run_handler<R>(handler, ctx, out);
       } catch (...) {
         hb.stop();
-        record_failure(key, holder, ar.attempts, std::current_exception());
+        record_failure(key, ar.attempts, std::current_exception(),
+                       [&](const FailParams& f) { store_->fail(key, holder, f); });
         throw;
       }
     }
-    const WriteStatus ws = store_->complete(key, holder, encoded, options_.retention);
-    if (ws == WriteStatus::ok) {
-      out.status = Status::executed;
-      if (cache_) cache_->put(key, fp, encoded);
-    } else {
-      out.status = Status::lease_lost;
-    }
+    finish_run(key, fp, store_->complete(key, holder, encoded, options_.retention), encoded, out);
     return out;
   }
 
@@ -227,45 +212,50 @@ private:
       }
       if (ar.status != AcquireStatus::acquired) return not_acquired<R>(key, fp, ar);
       Outcome<R> out;
-      out.fence = ar.holder.fence;
-      out.attempt = ar.attempts;
-      out.takeover = ar.takeover;
       std::stop_source stop{std::nostopstate};  // no heartbeat in transactional mode: the row lock is the lease
       context_type ctx{};
-      fill_context(ctx, key, ar, stop);
+      begin_run(ctx, out, key, ar, stop);
       ctx.tx = &tx;
       std::string encoded;
       try {
-        if constexpr (std::is_void_v<R>) {
-          invoke(handler, ctx);
-          out.value.emplace();
-        } else {
-          out.value.emplace(invoke(handler, ctx));
-          encoded = encode<R>(*out.value);
-        }
+        encoded = run_handler<R>(handler, ctx, out);
       } catch (...) {
-        const auto ep = std::current_exception();
-        if (options_.observer) options_.observer->on_handler_error(key, ep);
-        try {
-          tx.fail(fail_params(ar.attempts, describe(ep)));
-        } catch (const std::exception& e) {
-          if (options_.observer) options_.observer->on_store_error(key, e);
-        }
+        record_failure(key, ar.attempts, std::current_exception(), [&](const FailParams& f) { tx.fail(f); });
         throw;
       }
-      const WriteStatus ws = tx.commit(encoded, options_.retention);
-      out.status = ws == WriteStatus::ok ? Status::executed : Status::lease_lost;
-      if (ws == WriteStatus::ok && cache_) cache_->put(key, fp, encoded);
+      finish_run(key, fp, tx.commit(encoded, options_.retention), encoded, out);
       return out;
     }
   }
 
-  static void fill_context(Context& ctx, std::string_view key, const AcquireResult& ar, const std::stop_source& stop) {
+  template <class R>
+  static void begin_run(Context& ctx, Outcome<R>& out, std::string_view key, const AcquireResult& ar,
+                        const std::stop_source& stop) {
     ctx.key = key;
-    ctx.fence = ar.holder.fence;
-    ctx.attempt = ar.attempts;
-    ctx.takeover = ar.takeover;
+    ctx.fence = out.fence = ar.holder.fence;
+    ctx.attempt = out.attempt = ar.attempts;
+    ctx.takeover = out.takeover = ar.takeover;
     ctx.stop = stop.get_token();
+  }
+
+  // Runs the handler, keeps its value in `out` and returns it encoded for the store.
+  template <class R, class F>
+  std::string run_handler(F& handler, const context_type& ctx, Outcome<R>& out) {
+    if constexpr (std::is_void_v<R>) {
+      invoke(handler, ctx);
+      out.value.emplace();
+      return {};
+    } else {
+      out.value.emplace(invoke(handler, ctx));
+      return encode<R>(*out.value);
+    }
+  }
+
+  template <class R>
+  void finish_run(std::string_view key, const std::string& fp, WriteStatus ws, const std::string& encoded,
+                  Outcome<R>& out) {
+    out.status = ws == WriteStatus::ok ? Status::executed : Status::lease_lost;
+    if (ws == WriteStatus::ok && cache_) cache_->put(key, fp, encoded);
   }
 
   bool use_transactions() const {
@@ -394,12 +384,13 @@ private:
   }
 
   // The handler's exception wins: a failure that cannot be recorded leaves the key in_progress
-  // until its lease lapses, which is safe (the next delivery takes it over).
-  void record_failure(std::string_view key, const Holder& h, std::uint32_t attempts, const std::exception_ptr& ep) {
+  // until its lease lapses (or, in transactional mode, rolled back), which is safe: the next
+  // delivery takes it over.
+  template <class Write>
+  void record_failure(std::string_view key, std::uint32_t attempts, const std::exception_ptr& ep, Write&& write) {
     if (options_.observer) options_.observer->on_handler_error(key, ep);
-    const std::string text = describe(ep);
     try {
-      store_->fail(key, h, fail_params(attempts, text));
+      write(fail_params(attempts, describe(ep)));
     } catch (const std::exception& e) {
       if (options_.observer) options_.observer->on_store_error(key, e);
     }
