@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 
+#include "idem/detail/hex.hpp"
 #include "idem/error.hpp"
 
 namespace idem {
@@ -16,13 +17,7 @@ inline std::string fingerprint(std::string_view payload) {
   unsigned int len = 0;
   if (EVP_Digest(payload.data(), payload.size(), md, &len, EVP_sha256(), nullptr) != 1)
     throw error("idem: OpenSSL EVP_Digest(SHA-256) failed", false);
-  static constexpr char hex[] = "0123456789abcdef";
-  std::string out(static_cast<std::size_t>(len) * 2, '\0');
-  for (unsigned int i = 0; i < len; ++i) {
-    out[2 * i] = hex[md[i] >> 4];
-    out[2 * i + 1] = hex[md[i] & 0xf];
-  }
-  return out;
+  return detail::to_hex(md, len);
 }
 
 }  // namespace idem

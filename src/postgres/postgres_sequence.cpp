@@ -5,7 +5,6 @@
 
 #include "idem/postgres_sequence.hpp"
 
-#include <algorithm>
 #include <charconv>
 #include <condition_variable>
 #include <mutex>
@@ -18,18 +17,16 @@
 #include <libpq-fe.h>
 #include <poll.h>
 
+#include "idem/detail/hex.hpp"
 #include "idem/error.hpp"
+
+#include "pg_common.hpp"
 
 namespace idem {
 
 namespace {
 
-bool valid_ident(std::string_view s) {
-  if (s.empty() || s.size() > 63 || s.substr(0, 3) == "pg_") return false;
-  if (!(s[0] == '_' || (s[0] >= 'a' && s[0] <= 'z'))) return false;
-  return std::all_of(s.begin(), s.end(),
-                     [](char c) { return c == '_' || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'); });
-}
+bool valid_ident(std::string_view s) { return s.substr(0, 3) != "pg_" && detail::valid_identifier(s, 63); }
 
 std::string first_line(const char* msg) {
   std::string s = msg ? msg : "";
@@ -38,67 +35,15 @@ std::string first_line(const char* msg) {
   return s;
 }
 
-std::string sqlstate_of(const PGresult* r) {
-  const char* s = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
-  return s ? s : "";
-}
-
 // The same SQLSTATE mapping as PostgresStore's, so both stores fail the same way.
-[[noreturn]] void throw_mapped(const std::string& what, const std::string& code, PGconn* c) {
-  if (code.empty()) {
-    if (c == nullptr || PQstatus(c) != CONNECTION_OK)
-      throw connection_error(what + " (connection lost)", "08006", true);
-    throw store_error(what, "", true);
-  }
-  if (code == "XX001" || code == "XX002")
-    throw corrupt_record_error(what + " [SQLSTATE " + code + "]; inspect and repair or delete the row");
-  const std::string msg = what + " [SQLSTATE " + code + "]";
-  if (code == "57014" || code == "55P03") throw timeout_error(msg, code, true);
-  const std::string cls = code.substr(0, 2);
-  if (cls == "08" || code == "57P01" || code == "57P02" || code == "57P03" || code == "25P03")
-    throw connection_error(msg, code, true);
-  if (cls == "53") throw capacity_error(msg, code, true);
-  if (cls == "40" || cls == "55" || cls == "57" || cls == "58") throw store_error(msg, code, true);
-  if (code == "42P01" || code == "3F000")
-    throw store_error(msg + "; the sequence table is missing: call PostgresSequenceStore::migrate() or set auto_migrate",
-                      code, false);
-  throw store_error(msg, code, false);
-}
+constexpr detail::MissingSchemaHint sequence_missing{
+    "; the sequence table is missing: call PostgresSequenceStore::migrate() or set auto_migrate", false};
 
-bool result_ok(const PGresult* r) {
-  if (!r) return false;
-  const auto st = PQresultStatus(r);
-  return st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
-}
+using detail::printable;
+using detail::result_ok;
+using detail::sqlstate_of;
 
-std::string hex_of(std::string_view s) {
-  static constexpr char hex[] = "0123456789abcdef";
-  std::string out;
-  out.reserve(s.size() * 2);
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    out += hex[c >> 4];
-    out += hex[c & 0xf];
-  }
-  return out;
-}
-
-std::string printable(std::string_view s, std::size_t max = 64) {
-  std::string out;
-  static constexpr char hex[] = "0123456789abcdef";
-  for (std::size_t i = 0; i < s.size() && i < max; ++i) {
-    const auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\') {
-      out += static_cast<char>(c);
-    } else {
-      out += "\\x";
-      out += hex[c >> 4];
-      out += hex[c & 0xf];
-    }
-  }
-  if (s.size() > max) out += "...";
-  return out;
-}
+std::string hex_of(std::string_view s) { return detail::to_hex(s); }
 
 std::string decimal(std::uint64_t v) {
   char tmp[24];
@@ -183,7 +128,8 @@ struct PostgresSequenceStore::Impl {
   [[noreturn]] static void throw_result(std::string_view what, const PGresult* r, PGconn* c) {
     const char* m = r ? PQresultErrorMessage(r) : nullptr;
     if (!m || !*m) m = c ? PQerrorMessage(c) : "no connection";
-    throw_mapped("idem: postgres " + std::string(what) + " failed: " + first_line(m), sqlstate_of(r), c);
+    detail::throw_mapped("idem: postgres " + std::string(what) + " failed: " + first_line(m), sqlstate_of(r), c,
+                         sequence_missing);
   }
 
   // An idle connection has nothing to read; readable means EOF or an error from the server.

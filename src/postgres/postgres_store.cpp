@@ -16,6 +16,8 @@
 #include "idem/detail/validate.hpp"
 #include "idem/error.hpp"
 
+#include "pg_common.hpp"
+
 namespace idem {
 namespace detail {
 
@@ -36,13 +38,6 @@ constexpr const char* kPurge = "idem_purge";
 constexpr const char* kTxComplete = "idem_tx_complete";
 constexpr const char* kRecordFailure = "idem_record_failure";
 
-bool valid_identifier(std::string_view s, std::size_t max) {
-  if (s.empty() || s.size() > max) return false;
-  if (!(s[0] == '_' || (s[0] >= 'a' && s[0] <= 'z'))) return false;
-  return std::all_of(s.begin(), s.end(),
-                     [](char c) { return c == '_' || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9'); });
-}
-
 std::string quote_ident(std::string_view s) { return "\"" + std::string(s) + "\""; }
 
 void replace_all(std::string& s, std::string_view from, std::string_view to) {
@@ -56,43 +51,14 @@ std::string first_line(const char* msg) {
   return s;
 }
 
-std::string sqlstate_of(const PGresult* r) {
-  const char* s = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
-  return s ? s : "";
-}
-
-// One place decides what each SQLSTATE means to the caller, so every call fails the same way.
-[[noreturn]] void throw_mapped(const std::string& what, const std::string& code, PGconn* c) {
-  if (code.empty()) {
-    if (c == nullptr || PQstatus(c) != CONNECTION_OK)
-      throw connection_error(what + " (connection lost)", "08006", true);
-    throw store_error(what, "", true);
-  }
-  if (code == "XX001" || code == "XX002")
-    throw corrupt_record_error(what + " [SQLSTATE " + code + "]; inspect and repair or delete the row");
-  const std::string msg = what + " [SQLSTATE " + code + "]";
-  if (code == "57014" || code == "55P03") throw timeout_error(msg, code, true);
-  const std::string cls = code.substr(0, 2);
-  if (cls == "08" || code == "57P01" || code == "57P02" || code == "57P03" || code == "25P03")
-    throw connection_error(msg, code, true);
-  if (cls == "53") throw capacity_error(msg, code, true);
-  if (cls == "40" || cls == "55" || cls == "57" || cls == "58") throw store_error(msg, code, true);
-  if (code == "42P01" || code == "42883" || code == "3F000")
-    throw store_error(msg + "; the idem schema is missing: call PostgresStore::migrate() or set auto_migrate",
-                      code, false);
-  throw store_error(msg, code, false);
-}
+constexpr MissingSchemaHint store_missing{
+    "; the idem schema is missing: call PostgresStore::migrate() or set auto_migrate", true};
 
 [[noreturn]] void throw_result(std::string_view what, const PGresult* r, PGconn* c) {
   const char* m = r ? PQresultErrorMessage(r) : nullptr;
   if (!m || !*m) m = c ? PQerrorMessage(c) : "no connection";
-  throw_mapped("idem: postgres " + std::string(what) + " failed: " + first_line(m), sqlstate_of(r), c);
-}
-
-bool result_ok(const PGresult* r) {
-  if (!r) return false;
-  const auto st = PQresultStatus(r);
-  return st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
+  throw_mapped("idem: postgres " + std::string(what) + " failed: " + first_line(m), sqlstate_of(r), c,
+               store_missing);
 }
 
 // Binary-format decoding of the values our own statements return; a length that does not fit
