@@ -272,15 +272,16 @@ private:
   // Duplicate instead of InFlight.
   AcquireResult acquire_waiting(std::string_view key, AcquireParams& ap) {
     ap.token = detail::random_token();
-    if (options_.wait_for_in_flight == millis{0}) return store_->acquire(key, ap);
+    AcquireResult ar = store_->acquire(key, ap);
+    if (ar.status != AcquireStatus::in_flight || options_.wait_for_in_flight == millis{0}) return ar;
     const auto deadline = std::chrono::steady_clock::now() + options_.wait_for_in_flight;
     millis pause{10};
-    for (;;) {
-      ap.token = detail::random_token();
-      AcquireResult ar = store_->acquire(key, ap);
-      if (ar.status != AcquireStatus::in_flight || std::chrono::steady_clock::now() >= deadline) return ar;
+    while (ar.status == AcquireStatus::in_flight && std::chrono::steady_clock::now() < deadline) {
       pause = wait_pause(ar, deadline, pause);
+      ap.token = detail::random_token();
+      ar = store_->acquire(key, ap);
     }
+    return ar;
   }
 
   static millis wait_pause(const AcquireResult& ar, std::chrono::steady_clock::time_point deadline, millis pause) {

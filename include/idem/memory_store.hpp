@@ -13,26 +13,11 @@
 #include <vector>
 
 #include "idem/clock.hpp"
+#include "idem/detail/sharded_map.hpp"
 #include "idem/detail/validate.hpp"
 #include "idem/error.hpp"
 #include "idem/record.hpp"
 #include "idem/store.hpp"
-
-namespace idem::detail {
-/// Transparent hash of key bytes, so lookups by string_view do not build a std::string.
-struct KeyHash {
-  using is_transparent = void;
-  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-};
-}  // namespace idem::detail
-
-#if defined(__GLIBCXX__)
-// libstdc++ caches hash codes only for hashers it does not consider cheap, and it assumes any
-// user hasher is cheap. Ours hashes whole keys: caching saves rehashing every key when the table
-// grows and a string compare on every collision (it was about a third of a new-key acquire).
-template <>
-struct std::__is_fast_hash<idem::detail::KeyHash> : std::false_type {};
-#endif
 
 namespace idem {
 
@@ -67,7 +52,6 @@ public:
     per_shard_cap_ = options_.max_records == 0
                          ? 0
                          : std::max<std::size_t>(1, (options_.max_records + options_.shards - 1) / options_.shards);
-    shards_ = std::make_unique<Shard[]>(options_.shards);
   }
   MemoryStore(MemoryStore&&) noexcept = default;             ///< Movable; not copyable.
   MemoryStore& operator=(MemoryStore&&) noexcept = default;  ///< Movable; not copyable.
@@ -202,45 +186,27 @@ public:
   /// Removes expired records from every shard; returns how many were removed.
   std::size_t purge_expired() {
     std::size_t n = 0;
-    for (std::size_t i = 0; i < options_.shards; ++i) {
-      std::lock_guard lock(shards_[i].mu);
-      n += purge_locked(shards_[i], now_ms());
+    for (std::size_t i = 0; i < shards_.shard_count(); ++i) {
+      Shard& sh = shards_.at(i);
+      std::lock_guard lock(sh.mu);
+      n += purge_locked(sh, now_ms());
     }
     return n;
   }
 
   /// Number of stored records, expired ones not yet purged included.
-  [[nodiscard]] std::size_t size() const {
-    std::size_t n = 0;
-    for (std::size_t i = 0; i < options_.shards; ++i) {
-      std::lock_guard lock(shards_[i].mu);
-      n += shards_[i].map.size();
-    }
-    return n;
-  }
+  [[nodiscard]] std::size_t size() const { return shards_.size(); }
 
 private:
-  using Hash = detail::KeyHash;
-
   struct Entry {
     Record rec;
     std::int64_t expires_at_ms = 0;
   };
-  struct Shard {
-    mutable std::mutex mu;
-    std::unordered_map<std::string, Entry, Hash, std::equal_to<>> map;
-  };
+  using Shard = detail::ShardedMap<Entry>::Shard;
 
   std::int64_t now_ms() const noexcept { return options_.clock->now_ms(); }
 
-  Shard& shard(std::string_view key) noexcept {
-    // Mix the hash so shard choice and bucket choice do not use the same low bits.
-    std::size_t h = Hash{}(key);
-    h ^= h >> 29;
-    h *= 0xbf58476d1ce4e5b9ULL;
-    h ^= h >> 32;
-    return shards_[h % options_.shards];
-  }
+  Shard& shard(std::string_view key) const noexcept { return shards_.shard(key); }
 
   template <class F>
   WriteStatus with_holder(std::string_view key, const Holder& h, F&& write) {
@@ -261,7 +227,7 @@ private:
 
   MemoryStoreOptions options_;
   std::size_t per_shard_cap_ = 0;
-  std::unique_ptr<Shard[]> shards_;
+  detail::ShardedMap<Entry> shards_{options_.shards};
 };
 
 static_assert(StateStore<MemoryStore>);

@@ -20,6 +20,7 @@
 
 #include "idem/error.hpp"
 #include "idem/guard.hpp"
+#include "idem/detail/sharded_map.hpp"
 #include "idem/memory_store.hpp"
 #include "idem/observer.hpp"
 #include "idem/outcome.hpp"
@@ -101,7 +102,6 @@ public:
     per_shard_cap_ = options_.max_entities == 0
                          ? 0
                          : std::max<std::size_t>(1, (options_.max_entities + options_.shards - 1) / options_.shards);
-    shards_ = std::make_unique<Shard[]>(options_.shards);
   }
   MemorySequenceStore(MemorySequenceStore&&) noexcept = default;             ///< Movable; not copyable.
   MemorySequenceStore& operator=(MemorySequenceStore&&) noexcept = default;  ///< Movable; not copyable.
@@ -149,34 +149,16 @@ public:
   }
 
   /// Number of tracked entities.
-  [[nodiscard]] std::size_t size() const {
-    std::size_t n = 0;
-    for (std::size_t i = 0; i < options_.shards; ++i) {
-      std::lock_guard lock(shards_[i].mu);
-      n += shards_[i].map.size();
-    }
-    return n;
-  }
+  [[nodiscard]] std::size_t size() const { return shards_.size(); }
 
 private:
-  using Hash = detail::KeyHash;
-  struct Shard {
-    mutable std::mutex mu;
-    std::unordered_map<std::string, std::uint64_t, Hash, std::equal_to<>> map;
-  };
+  using Shard = detail::ShardedMap<std::uint64_t>::Shard;
 
-  const Shard& shard(std::string_view entity) const noexcept {
-    std::size_t h = Hash{}(entity);
-    h ^= h >> 29;
-    h *= 0xbf58476d1ce4e5b9ULL;
-    h ^= h >> 32;
-    return shards_[h % options_.shards];
-  }
-  Shard& shard(std::string_view entity) noexcept { return const_cast<Shard&>(std::as_const(*this).shard(entity)); }
+  Shard& shard(std::string_view entity) const noexcept { return shards_.shard(entity); }
 
   MemorySequenceStoreOptions options_;
   std::size_t per_shard_cap_ = 0;
-  std::unique_ptr<Shard[]> shards_;
+  detail::ShardedMap<std::uint64_t> shards_{options_.shards};
 };
 
 static_assert(SequenceStore<MemorySequenceStore>);

@@ -98,6 +98,19 @@ struct RedisSequenceStore::Impl : detail::redis::Pool {
     k += '}';
     return k;
   }
+
+  // GET and DEL of the entity's key: one plain command whose reply must be of `expected` type (or nil).
+  ReplyPtr key_command(const char* cmd, std::string_view entity, int expected) {
+    const std::string what = std::string(cmd) + " of the sequence of entity '" + printable(entity) + "'";
+    Request req;
+    req.command(2);
+    req.arg(cmd);
+    req.arg(key_of(entity));
+    ReplyPtr r = call(req.view(), what, false);
+    if (r->type != expected && r->type != REDIS_REPLY_NIL)
+      throw store_error("idem: unexpected Redis reply to " + what, "", false);
+    return r;
+  }
 };
 
 RedisSequenceStore::RedisSequenceStore(RedisOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
@@ -120,16 +133,8 @@ RedisSequenceStore::Impl& RedisSequenceStore::impl() const {
 
 std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view entity) {
   detail::check_entity(entity);
-  Impl& im = impl();
-  Request req;
-  req.command(2);
-  req.arg("GET");
-  req.arg(im.key_of(entity));
-  ReplyPtr r = im.call(req.view(), "GET of the sequence of entity '" + printable(entity) + "'", false);
+  ReplyPtr r = impl().key_command("GET", entity, REDIS_REPLY_STRING);
   if (r->type == REDIS_REPLY_NIL) return std::nullopt;
-  if (r->type != REDIS_REPLY_STRING)
-    throw store_error("idem: unexpected Redis reply to GET of the sequence of entity '" + printable(entity) + "'", "",
-                      false);
   return parse_seq(reply_text(r.get()), entity);
 }
 
@@ -160,12 +165,7 @@ AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t
 
 bool RedisSequenceStore::erase(std::string_view entity) {
   detail::check_entity(entity);
-  Impl& im = impl();
-  Request req;
-  req.command(2);
-  req.arg("DEL");
-  req.arg(im.key_of(entity));
-  ReplyPtr r = im.call(req.view(), "DEL of the sequence of entity '" + printable(entity) + "'", false);
+  ReplyPtr r = impl().key_command("DEL", entity, REDIS_REPLY_INTEGER);
   if (r->type != REDIS_REPLY_INTEGER)
     throw store_error("idem: unexpected Redis reply to DEL of the sequence of entity '" + printable(entity) + "'", "",
                       false);
