@@ -42,6 +42,12 @@ template <class S>
 struct tx_of<S, std::void_t<typename S::transaction>> {
   using type = typename S::transaction;
 };
+
+/// Thrown by a sequencing wrapper's handler (run_sequenced) when, inside the run, the event turns
+/// out older than its entity: the guard releases the key (rolls the transaction back) without
+/// counting a failure and answers Status::stale. Not a std::exception: a handler's
+/// `catch (const std::exception&)` must not swallow it.
+struct stale_signal {};
 }  // namespace detail
 
 /// What a handler may learn about its run; take `const idem::Context&` as the handler's only
@@ -99,14 +105,23 @@ public:
   /// Handler exceptions are recorded per the failure policy and rethrown unchanged.
   template <class F>
   auto run(std::string_view key, F&& handler) {
-    return run_impl(key, std::string{}, std::forward<F>(handler));
+    return run_impl(key, std::string{}, handler, nullptr);
   }
 
   /// Like run(key, handler), and also fingerprints `payload`: a key reused with a different
   /// payload answers Status::mismatch and the handler does not run.
   template <class F>
   auto run(std::string_view key, std::string_view payload, F&& handler) {
-    return run_impl(key, fingerprint(payload), std::forward<F>(handler));
+    return run_impl(key, fingerprint(payload), handler, nullptr);
+  }
+
+  /// Extension point for writing more in the completion's atomic step (SequenceGate on Redis): like
+  /// run(key, payload, handler) (run(key, handler) when `payload` is empty), but a lease-mode run
+  /// completes through `complete(const Holder&, std::string_view encoded_result, millis retention)
+  /// -> WriteStatus` instead of the store's complete(). Transactional runs never call it.
+  template <class F, class Complete>
+  auto run_with_completion(std::string_view key, std::string_view payload, F&& handler, Complete&& complete) {
+    return run_impl(key, payload.empty() ? std::string{} : fingerprint(payload), handler, complete);
   }
 
   /// The options in force (owner filled in).
@@ -122,8 +137,9 @@ private:
   using result_of = std::conditional_t<takes_context<F>, std::invoke_result<F&, const context_type&>,
                                        std::invoke_result<F&>>;
 
-  template <class F>
-  auto run_impl(std::string_view key, std::string fp, F&& handler) {
+  // `complete` is nullptr (the store's complete) or run_with_completion's callable.
+  template <class F, class Complete>
+  auto run_impl(std::string_view key, std::string fp, F& handler, Complete&& complete) {
     static_assert(takes_context<F> || std::is_invocable_v<F&>,
                   "idem: the handler must be callable with () or with (const idem::Context&)");
     using R = std::decay_t<typename result_of<F>::type>;
@@ -134,7 +150,7 @@ private:
     const auto started = options_.observer ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     Outcome<R> out;
     try {
-      out = decide<R>(key, fp, handler);
+      out = decide<R>(key, fp, handler, complete);
     } catch (const store_error& e) {
       if (options_.observer) options_.observer->on_store_error(key, e);
       throw;
@@ -149,8 +165,8 @@ private:
     return out;
   }
 
-  template <class R, class F>
-  Outcome<R> decide(std::string_view key, const std::string& fp, F& handler) {
+  template <class R, class F, class Complete>
+  Outcome<R> decide(std::string_view key, const std::string& fp, F& handler, Complete& complete) {
     if (cache_) {
       if (auto hit = cache_->get(key)) {
         Outcome<R> out;
@@ -187,6 +203,11 @@ private:
       Heartbeat hb(*this, key, holder, stop);
       try {
         encoded = run_handler<R>(handler, ctx, out);
+      } catch (const detail::stale_signal&) {
+        hb.stop();
+        store_->fail(key, holder, stale_release());
+        out.status = Status::stale;
+        return out;
       } catch (...) {
         hb.stop();
         record_failure(key, ar.attempts, std::current_exception(),
@@ -194,7 +215,12 @@ private:
         throw;
       }
     }
-    finish_run(key, fp, store_->complete(key, holder, encoded, options_.retention), encoded, out);
+    WriteStatus ws;
+    if constexpr (std::is_null_pointer_v<Complete>)
+      ws = store_->complete(key, holder, encoded, options_.retention);
+    else
+      ws = complete(holder, std::string_view(encoded), options_.retention);
+    finish_run(key, fp, ws, encoded, out);
     return out;
   }
 
@@ -219,6 +245,10 @@ private:
       std::string encoded;
       try {
         encoded = run_handler<R>(handler, ctx, out);
+      } catch (const detail::stale_signal&) {
+        tx.fail(stale_release());  // rolls back the claim and whatever the handler wrote
+        out.status = Status::stale;
+        return out;
       } catch (...) {
         record_failure(key, ar.attempts, std::current_exception(), [&](const FailParams& f) { tx.fail(f); });
         throw;
@@ -365,6 +395,14 @@ private:
     } catch (...) {
       return "non-std exception";
     }
+  }
+
+  FailParams stale_release() const {
+    FailParams f;
+    f.error = "stale: a newer event of the entity was applied first";
+    f.release = true;
+    f.retention = options_.retention;
+    return f;
   }
 
   FailParams fail_params(std::uint32_t attempts, const std::string& text) const {

@@ -101,13 +101,6 @@ private:
 
 static_assert(SequenceStore<PostgresSequenceStore>);
 
-namespace detail {
-// Stored result of a run_sequenced() run: "a" + codec<R>::encode(value) when applied, "s" when
-// the in-transaction advance found the event stale (the record completes; nothing else commits).
-inline constexpr char seq_applied_tag = 'a';
-inline constexpr char seq_stale_tag = 's';
-}  // namespace detail
-
 /**
  * Runs `handler` through a transactional-mode `guard` with the entity's sequence advanced in the
  * same transaction, before the handler: the business writes (through ctx.tx), the advance and the
@@ -116,18 +109,17 @@ inline constexpr char seq_stale_tag = 's';
  * 1. `last_applied(entity) >= seq` → Status::stale at once (no transaction, no record).
  * 2. Otherwise the guard claims the key and, inside its transaction, advance(tx, entity, seq):
  *    not advanced (a newer event of the entity committed meanwhile) → the handler does not run,
- *    the record completes with a "stale" marker (no business write commits) and the outcome is
- *    Status::stale; a redelivery answers stale again. Advanced → the handler runs.
+ *    the transaction rolls back (the key is released, no failure counted) and the outcome is
+ *    Status::stale; a redelivery answers stale at step 1. Advanced → the handler runs.
  *    With `options.contiguous` (deltas: payments, counters), step 1 also answers Status::in_flight
  *    with `gap = true` and `retry_after = options.gap_retry_after` when `seq` is not
  *    `last_applied + 1` (or `options.first` for a new entity): requeue it, it runs once its
  *    predecessor has committed. No transaction is opened and nothing is recorded for it.
- * 3. Guard outcomes pass through; a duplicate replays the stored value (or stale if the first
- *    run was stale). The handler's exceptions propagate after the guard's failure policy, with
- *    the advance rolled back. `advanced` is true only when this call's advance committed.
+ * 3. Guard outcomes pass through; a duplicate replays the stored value. The handler's exceptions
+ *    propagate after the guard's failure policy, with the advance rolled back. `advanced` is true
+ *    only when this call's advance committed.
  *
- * The stored result is `'a' + codec<R>::encode(value)` (or `"s"`), so keys used with
- * run_sequenced must not also be run through the guard directly. The handler takes
+ * The stored result is the handler's, encoded by codec<R> as guard.run stores it. The handler takes
  * `const IdempotencyGuard<PostgresStore>::context_type&` (or nothing) and may return any Encodable R.
  * Throws usage_error when the store is not in transactional mode (use SequenceGate there).
  */
@@ -185,65 +177,29 @@ auto run_sequenced(IdempotencyGuard<PostgresStore>& guard, PostgresSequenceStore
   }
 
   std::optional<std::uint64_t> stale_at;  // set when the in-transaction advance lost
-  auto inner = [&](const Ctx& ctx) -> std::string {
+  auto inner = [&](const Ctx& ctx) -> R {
     const AdvanceResult a = seqs.advance(*ctx.tx, ev.entity, ev.seq);
     if (!a.advanced) {
       stale_at = a.previous;
-      return std::string(1, detail::seq_stale_tag);
+      throw detail::stale_signal{};  // the guard rolls back and answers stale
     }
     // Only an erase() racing this event can open a gap after the check above: roll back, retry.
     if (options.contiguous && a.previous != last)
       throw store_error("idem: the sequence of entity '" + std::string(ev.entity.substr(0, 64)) +
                             "' changed under a contiguous event (erased meanwhile?); retry it",
                         "", true);
-    std::string stored(1, detail::seq_applied_tag);
-    if constexpr (std::is_void_v<R>) {
-      if constexpr (takes_ctx)
-        handler(ctx);
-      else
-        handler();
-    } else {
-      if constexpr (takes_ctx)
-        stored += std::string(codec<R>::encode(handler(ctx)));
-      else
-        stored += std::string(codec<R>::encode(handler()));
-    }
-    return stored;
+    if constexpr (takes_ctx)
+      return handler(ctx);
+    else
+      return handler();
   };
-  Outcome<std::string> base =
-      ev.payload.empty() ? guard.run(ev.key, inner) : guard.run(ev.key, ev.payload, inner);
-
-  out.status = base.status;
-  out.error = std::move(base.error);
-  out.fence = base.fence;
-  out.attempt = base.attempt;
-  out.takeover = base.takeover;
-  out.from_cache = base.from_cache;
-  out.retry_after = base.retry_after;
-  const bool has_value = (base.status == Status::executed || base.status == Status::duplicate) && base.value;
-  if (!has_value) return out;
-  const std::string& stored = *base.value;
-  if (stored.empty() || (stored[0] != detail::seq_applied_tag && stored[0] != detail::seq_stale_tag))
-    throw corrupt_record_error("idem: the stored result of key '" + std::string(ev.key.substr(0, 64)) +
-                               "' was not written by run_sequenced; do not mix run_sequenced and guard.run on a key");
-  if (stored[0] == detail::seq_stale_tag) {
-    out.status = Status::stale;
-    out.last_applied = base.status == Status::executed ? stale_at : last;
-    report(Status::stale);
-    return out;
-  }
-  if (base.status == Status::executed) {
+  out = Out(ev.payload.empty() ? guard.run(ev.key, inner) : guard.run(ev.key, ev.payload, inner));
+  out.last_applied = last;
+  if (out.status == Status::stale) {
+    out.last_applied = stale_at;
+  } else if (out.status == Status::executed) {
     out.advanced = true;
     out.last_applied = ev.seq;
-  }
-  try {
-    if constexpr (std::is_void_v<R>)
-      out.value.emplace();
-    else
-      out.value.emplace(codec<R>::decode(std::string_view(stored).substr(1)));
-  } catch (const std::exception& e) {
-    throw corrupt_record_error("idem: the stored result of key '" + std::string(ev.key.substr(0, 64)) +
-                               "' cannot be decoded (" + e.what() + ")");
   }
   return out;
 }

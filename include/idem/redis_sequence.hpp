@@ -56,6 +56,13 @@ public:
   /// Atomic compare-and-set (one EVALSHA): sets `entity` to `seq` iff none applied yet or the
   /// stored value is strictly lower. `previous` is the value the script found.
   AdvanceResult advance(std::string_view entity, std::uint64_t seq);
+  /// RedisStore::complete(key, h, result, retention) and advance(entity, seq) in one atomic script:
+  /// SequenceGate calls it, so no crash can separate the two. `store` must be on the same server
+  /// and db (usage_error otherwise). Lease lost: nothing written. A damaged sequence key: the
+  /// result is recorded, then corrupt_record_error / store_error is thrown (the key is not touched).
+  CompleteAdvanceResult complete_advance(RedisStore& store, std::string_view key, const Holder& h,
+                                         std::string_view result, millis retention, std::string_view entity,
+                                         std::uint64_t seq);
   /// Deletes the entity's sequence (its next event of any sequence applies); true if it existed.
   /// For tests and for deleting an entity for good, never to "fix" a stale event.
   bool erase(std::string_view entity);
@@ -66,6 +73,8 @@ public:
   [[nodiscard]] const std::string& script_sha() const;
   /// The compare-and-set script's source (record.lua prelude included), e.g. for redis-cli --eval.
   [[nodiscard]] static std::string_view script_source() noexcept;
+  /// SHA1 of the complete-and-advance script (complete_advance.lua).
+  [[nodiscard]] const std::string& complete_advance_sha() const;
   /// The options in force (URL applied).
   [[nodiscard]] const RedisOptions& options() const;
 
@@ -76,5 +85,6 @@ private:
 };
 
 static_assert(SequenceStore<RedisSequenceStore>);
+static_assert(CompletesWithAdvance<RedisSequenceStore, RedisStore>);
 
 }  // namespace idem

@@ -56,13 +56,27 @@ struct AdvanceResult {
  * @endcode
  *
  * Redis (one Lua compare-and-set on a key with the entity's hash tag) and PostgreSQL
- * (`UPDATE … WHERE last_seq < $seq` / `INSERT … ON CONFLICT … WHERE`) model it the same way;
- * docs/ordering.md has the plan.
+ * (`INSERT … ON CONFLICT … WHERE last_seq < $seq`) model it the same way; docs/ordering.md.
  */
 template <class S>
 concept SequenceStore = requires(S& s, std::string_view entity, std::uint64_t seq) {
   { s.last_applied(entity) } -> std::same_as<std::optional<std::uint64_t>>;
   { s.advance(entity, seq) } -> std::same_as<AdvanceResult>;
+};
+
+/// What a combined complete-and-advance did: the completion's status, and (status ok only) the advance.
+struct CompleteAdvanceResult {
+  WriteStatus status = WriteStatus::lease_lost;  ///< lease_lost: nothing was written, nothing advanced
+  AdvanceResult advance;                         ///< the compare-and-set, made in the same atomic step
+};
+
+/// A sequence store that can complete a StateStore record and advance the entity in one atomic
+/// step (RedisSequenceStore with RedisStore: one script). SequenceGate uses it when available,
+/// so no crash can leave an event completed with its entity's sequence behind it.
+template <class Seq, class Store>
+concept CompletesWithAdvance = requires(Seq& q, Store& s, std::string_view key, const Holder& h,
+                                        std::string_view result, millis retention, std::uint64_t seq) {
+  { q.complete_advance(s, key, h, result, retention, key, seq) } -> std::same_as<CompleteAdvanceResult>;
 };
 
 namespace detail {
@@ -207,6 +221,8 @@ struct SequencedOutcome : Outcome<T> {
  * newer than its entity's last applied one is skipped as Status::stale (handler not run, ack it);
  * otherwise it runs through the guard, and the sequence advances (compare-and-set) when the guard
  * reports executed — or duplicate, which repairs a crash between the completion and the advance.
+ * When the sequence store CompletesWithAdvance on the guard's store (Redis), a lease-mode run
+ * completes and advances in one atomic step instead, so there is no such crash window.
  * Thread-safe when the sequence store is; share one gate between workers. The store must outlive it.
  *
  * Concurrent events of one entity: the check before the handler and the advance after it are two
@@ -272,10 +288,24 @@ public:
       }
     }
 
-    out = SequencedOutcome<R>(ev.payload.empty() ? guard.run(ev.key, std::forward<F>(handler))
-                                                 : guard.run(ev.key, ev.payload, std::forward<F>(handler)));
+    std::optional<AdvanceResult> combined;  // set when the completion advanced in the same step
+    if constexpr (CompletesWithAdvance<Seq, Store>) {
+      auto complete = [&](const Holder& h, std::string_view encoded, millis retention) {
+        CompleteAdvanceResult r =
+            store_->complete_advance(guard.store(), ev.key, h, encoded, retention, ev.entity, ev.seq);
+        if (r.status == WriteStatus::ok) combined = r.advance;
+        return r.status;
+      };
+      out = SequencedOutcome<R>(guard.run_with_completion(ev.key, ev.payload, handler, complete));
+    } else {
+      out = SequencedOutcome<R>(ev.payload.empty() ? guard.run(ev.key, handler)
+                                                   : guard.run(ev.key, ev.payload, handler));
+    }
     out.last_applied = last;
-    if (out.status == Status::executed || out.status == Status::duplicate) {
+    if (combined) {
+      out.advanced = combined->advanced;
+      out.last_applied = combined->advanced ? std::optional<std::uint64_t>(ev.seq) : combined->previous;
+    } else if (out.status == Status::executed || out.status == Status::duplicate) {
       const AdvanceResult a = store_->advance(ev.entity, ev.seq);
       out.advanced = a.advanced;
       out.last_applied = a.advanced ? std::optional<std::uint64_t>(ev.seq) : a.previous;

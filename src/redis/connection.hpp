@@ -28,6 +28,16 @@ std::string sha1_hex(std::string_view text);
 std::string ms(millis d);
 timeval to_timeval(millis d);
 
+// A holder's token as the scripts store it: 8 bytes, big-endian.
+inline std::string token_bytes(std::uint64_t t) {
+  std::string s(8, '\0');
+  for (int i = 7; i >= 0; --i) {
+    s[static_cast<std::size_t>(i)] = static_cast<char>(t & 0xff);
+    t >>= 8;
+  }
+  return s;
+}
+
 // A RESP request built by hand: hiredis's own writer uses write(2), which raises SIGPIPE.
 class Request {
 public:

@@ -1,8 +1,16 @@
-# Build step (cmake -P): prepends lua/record.lua to each script named in SCRIPTS, writes the
-# result to OUT_DIR/<name>.lua (runnable with redis-cli --eval) and all of them as C++ string
-# literals to OUT_DIR/idem_redis_scripts.hpp, so the sources stay plain .lua files.
+# Build step (cmake -P): prepends the PRELUDES (default record.lua) to each script named in
+# SCRIPTS, writes the result to OUT_DIR/<name>.lua (runnable with redis-cli --eval) and all of them
+# as C++ string literals to OUT_DIR/idem_redis_scripts.hpp, so the sources stay plain .lua files.
 string(REPLACE "," ";" SCRIPTS "${SCRIPTS}")
-file(READ "${SRC_DIR}/record.lua" _prelude)
+if(NOT PRELUDES)
+  set(PRELUDES record.lua)
+endif()
+string(REPLACE "," ";" PRELUDES "${PRELUDES}")
+set(_prelude "")
+foreach(_p IN LISTS PRELUDES)
+  file(READ "${SRC_DIR}/${_p}" _text)
+  string(APPEND _prelude "${_text}")
+endforeach()
 set(_hpp "// Generated from src/redis/lua/*.lua by embed_lua.cmake; do not edit.\n#pragma once\n#include <string_view>\n\nnamespace idem::detail::redis_lua {\n")
 foreach(_name IN LISTS SCRIPTS)
   file(READ "${SRC_DIR}/${_name}.lua" _body)

@@ -1,7 +1,8 @@
 // RedisSequenceStore: a small pool of hiredis connections of its own (a RedisStore's pool stays
 // private to that store), the connection layer shared with RedisStore (connection.hpp: RESP sent
 // with MSG_NOSIGNAL, hiredis's reply reader, the same error mapping), and one EVALSHA of
-// sequence_advance.lua per advance.
+// sequence_advance.lua per advance, or of complete_advance.lua for a RedisStore completion and
+// the advance together.
 
 #include "idem/redis_sequence.hpp"
 
@@ -12,6 +13,7 @@
 
 #include <hiredis/hiredis.h>
 
+#include "idem/detail/validate.hpp"
 #include "idem/error.hpp"
 #include "seq/idem_redis_scripts.hpp"
 
@@ -50,11 +52,16 @@ std::uint64_t parse_seq(std::string_view s, std::string_view entity) {
 }  // namespace
 
 struct RedisSequenceStore::Impl : detail::redis::Pool {
-  std::string sha;
+  struct Script {
+    std::string_view name, source;
+    std::string sha;
+  };
+  Script advance{"sequence_advance", detail::redis_lua::sequence_advance,
+                 sha1_hex(detail::redis_lua::sequence_advance)};
+  Script complete{"complete_advance", detail::redis_lua::complete_advance,
+                  sha1_hex(detail::redis_lua::complete_advance)};
 
-  explicit Impl(RedisOptions o) : Pool(checked(Pool::resolve_url(std::move(o))), sequence_hints) {
-    sha = sha1_hex(detail::redis_lua::sequence_advance);
-  }
+  explicit Impl(RedisOptions o) : Pool(checked(Pool::resolve_url(std::move(o))), sequence_hints) {}
 
   static RedisOptions checked(RedisOptions o) {
     auto bad = [](const std::string& why) { throw invalid_options_error("idem: RedisOptions: " + why); };
@@ -68,18 +75,16 @@ struct RedisSequenceStore::Impl : detail::redis::Pool {
     return o;
   }
 
-  void load_script(redisContext* c) {
-    Pool::load_script(c, detail::redis_lua::sequence_advance, sha, "sequence_advance", false);
-  }
+  void load_script(redisContext* c, const Script& s) { Pool::load_script(c, s.source, s.sha, s.name, false); }
 
-  // One request and its reply; an error reply is mapped and thrown.
-  ReplyPtr call(std::string_view request, const std::string& what, bool script) {
+  // One request and its reply (`script`: the EVALSHA's script, else null); an error reply is mapped and thrown.
+  ReplyPtr call(std::string_view request, const std::string& what, const Script* script) {
     ReplyPtr r = with_connection([&](redisContext* c) {
       send(c, request);
       ReplyPtr reply = read_reply(c, script ? "to EVALSHA" : "to the command");
       // NOSCRIPT ran nothing (SCRIPT FLUSH or a restart): load the script and send it once more.
       if (script && is_error(reply.get()) && error_code(reply_text(reply.get())) == "NOSCRIPT") {
-        load_script(c);
+        load_script(c, *script);
         if (!send_all(c, request)) throw_io(c, "while sending EVALSHA", false);
         reply = read_reply(c, "to EVALSHA");
       }
@@ -106,7 +111,7 @@ struct RedisSequenceStore::Impl : detail::redis::Pool {
     req.command(2);
     req.arg(cmd);
     req.arg(key_of(entity));
-    ReplyPtr r = call(req.view(), what, false);
+    ReplyPtr r = call(req.view(), what, nullptr);
     if (r->type != expected && r->type != REDIS_REPLY_NIL)
       throw store_error("idem: unexpected Redis reply to " + what, "", false);
     return r;
@@ -117,7 +122,8 @@ RedisSequenceStore::RedisSequenceStore(RedisOptions options) : impl_(std::make_u
   Impl& im = *impl_;
   // Fail fast: one connection now, and the script loaded (a NOSCRIPT later reloads it anyway).
   ReplyPtr ignored = im.with_connection([&](redisContext* c) {
-    im.load_script(c);
+    im.load_script(c, im.advance);
+    im.load_script(c, im.complete);
     return ReplyPtr{};
   });
 }
@@ -145,11 +151,11 @@ AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t
   Request req;
   req.command(5);
   req.arg("EVALSHA");
-  req.arg(im.sha);
+  req.arg(im.advance.sha);
   req.arg("1");
   req.arg(im.key_of(entity));
   req.arg(decimal(seq));
-  ReplyPtr r = im.call(req.view(), what, true);
+  ReplyPtr r = im.call(req.view(), what, &im.advance);
   if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_INTEGER ||
       r->element[1]->type != REDIS_REPLY_STRING)
     throw store_error("idem: unexpected Redis reply to " + what, "", false);
@@ -159,6 +165,58 @@ AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t
   if (!prev.empty()) out.previous = parse_seq(prev, entity);
   // The script only writes when the value grows; a reply saying otherwise is a broken script.
   if (out.previous && out.advanced != (*out.previous < seq))
+    throw store_error("idem: inconsistent Redis reply to " + what, "", false);
+  return out;
+}
+
+CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, std::string_view key, const Holder& h,
+                                                          std::string_view result, millis retention,
+                                                          std::string_view entity, std::uint64_t seq) {
+  detail::check_entity(entity);
+  detail::check_holder(key, h);
+  detail::check_lease(retention, "retention");
+  Impl& im = impl();
+  // One script writes both keys, so both must live on the server this store talks to.
+  const RedisOptions& so = store.options();
+  const bool same_server = so.unix_socket == im.opt.unix_socket &&
+                           (!so.unix_socket.empty() || (so.host == im.opt.host && so.port == im.opt.port));
+  if (!same_server || so.db != im.opt.db)
+    throw usage_error("idem: RedisSequenceStore (" + im.where + " db " + std::to_string(im.opt.db) +
+                      ") and the RedisStore it completes for point at different servers or databases; give both "
+                      "the same url, host/port or unix_socket, and db");
+  const std::string what = "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'";
+  Request req;
+  req.command(10);
+  req.arg("EVALSHA");
+  req.arg(im.complete.sha);
+  req.arg("2");
+  req.arg(store.redis_key(key));
+  req.arg(im.key_of(entity));
+  req.arg(static_cast<std::int64_t>(h.fence));
+  req.arg(token_bytes(h.token));
+  req.arg(result);
+  req.arg(static_cast<std::int64_t>(retention.count()));
+  req.arg(decimal(seq));
+  ReplyPtr r = im.call(req.view(), what, &im.complete);
+  if (r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_INTEGER ||
+      r->element[1]->type != REDIS_REPLY_INTEGER || r->element[2]->type != REDIS_REPLY_STRING)
+    throw store_error("idem: unexpected Redis reply to " + what, "", false);
+  CompleteAdvanceResult out;
+  if (r->element[0]->integer != 1) return out;  // lease lost: the script wrote nothing
+  out.status = WriteStatus::ok;
+  const std::int64_t code = r->element[1]->integer;
+  const std::string_view prev = reply_text(r->element[2]);
+  // The result is recorded by now; a damaged sequence key is reported, so the message is not acked
+  // and its redelivery (a duplicate) stops at the same key until someone repairs it.
+  if (code == -1)
+    throw corrupt_record_error("idem: the result of key '" + printable(key) +
+                               "' was recorded, but the Redis sequence of entity '" + printable(entity) + "' holds '" +
+                               printable(prev) + "', not a decimal uint64, so it was not advanced; repair the key");
+  if (code == -2) im.throw_reply(prev, what + " (the result was recorded; the sequence key is not a string)");
+  if (code != 0 && code != 1) throw store_error("idem: unexpected Redis reply to " + what, "", false);
+  out.advance.advanced = code == 1;
+  if (!prev.empty()) out.advance.previous = parse_seq(prev, entity);
+  if (out.advance.previous && out.advance.advanced != (*out.advance.previous < seq))
     throw store_error("idem: inconsistent Redis reply to " + what, "", false);
   return out;
 }
@@ -173,7 +231,8 @@ bool RedisSequenceStore::erase(std::string_view entity) {
 }
 
 std::string RedisSequenceStore::sequence_key(std::string_view entity) const { return impl().key_of(entity); }
-const std::string& RedisSequenceStore::script_sha() const { return impl().sha; }
+const std::string& RedisSequenceStore::script_sha() const { return impl().advance.sha; }
+const std::string& RedisSequenceStore::complete_advance_sha() const { return impl().complete.sha; }
 std::string_view RedisSequenceStore::script_source() noexcept { return detail::redis_lua::sequence_advance; }
 const RedisOptions& RedisSequenceStore::options() const { return impl().opt; }
 

@@ -43,15 +43,6 @@ constexpr std::array<std::string_view, s_count> script_sources{
 // while it runs) and the reply size; longer batches are several runs in the same round trip.
 constexpr std::size_t batch_chunk = 256;
 
-std::string token_bytes(std::uint64_t t) {
-  std::string s(8, '\0');
-  for (int i = 7; i >= 0; --i) {
-    s[static_cast<std::size_t>(i)] = static_cast<char>(t & 0xff);
-    t >>= 8;
-  }
-  return s;
-}
-
 std::uint64_t token_value(std::string_view s) {
   std::uint64_t t = 0;
   for (char c : s) t = (t << 8) | static_cast<unsigned char>(c);

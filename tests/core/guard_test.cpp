@@ -327,3 +327,41 @@ TEST_CASE("MemoryStore bound: full shard fails closed, purge makes room", "[memo
   CHECK(guard.run("k4", [] {}).status == Status::executed);
   CHECK(store.size() == 1);
 }
+
+TEST_CASE("run_with_completion writes the completion through the caller's step", "[guard]") {
+  Fixture f;
+  idem::IdempotencyGuard guard{f.store};
+  int completions = 0;
+  auto complete = [&](const idem::Holder& h, std::string_view encoded, idem::millis retention) {
+    ++completions;
+    return f.store.complete("k", h, encoded, retention);
+  };
+  auto out = guard.run_with_completion("k", "", [] { return 7; }, complete);
+  CHECK(out.status == Status::executed);
+  CHECK(completions == 1);
+  CHECK(guard.run("k", [] { return 0; }).value == 7);  // recorded by the caller's step
+  // A step that reports lease_lost makes the run lease_lost, like the store's own complete.
+  auto lost = guard.run_with_completion("k2", "payload", [] { return 1; },
+                                        [](const idem::Holder&, std::string_view, idem::millis) {
+                                          return idem::WriteStatus::lease_lost;
+                                        });
+  CHECK(lost.status == Status::lease_lost);
+  // A non-empty payload is fingerprinted as by run(key, payload, h).
+  CHECK(guard.run("k2", "other", [] { return 1; }).status == Status::mismatch);
+}
+
+TEST_CASE("stale_signal from a handler releases the key without a failure", "[guard]") {
+  Fixture f;
+  auto counts = std::make_shared<idem::CountingObserver>();
+  idem::IdempotencyGuard guard{f.store, {.failure = {.mode = idem::FailureMode::record}, .observer = counts}};
+  auto out = guard.run("k", []() -> int { throw idem::detail::stale_signal{}; });
+  CHECK(out.status == Status::stale);
+  CHECK(out.action() == idem::BrokerAction::ack);
+  auto rec = f.store.inspect("k");  // released (the record keeps its fence), retryable at once
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::failed);
+  CHECK_FALSE(rec->permanent);
+  CHECK(counts->count(Status::stale) == 1);
+  CHECK(counts->handler_errors() == 0);
+  CHECK(guard.run("k", [] { return 3; }).status == Status::executed);
+}

@@ -189,8 +189,9 @@ struct TxFixture {
   std::string accounts = "acct_" + pgtest::random_hex(8);
   idem::PostgresStore store{pgtest::options(idem::PgMode::transactional)};
   PostgresSequenceStore seqs{seq_options()};
+  std::shared_ptr<idem::CountingObserver> counts = std::make_shared<idem::CountingObserver>();
   idem::IdempotencyGuard<idem::PostgresStore> guard{
-      store, {.lease = 10s, .retention = 1h, .failure = {.mode = idem::FailureMode::release}}};
+      store, {.lease = 10s, .retention = 1h, .failure = {.mode = idem::FailureMode::release}, .observer = counts}};
   pgtest::Raw raw;
 
   TxFixture() {
@@ -294,13 +295,22 @@ TEST_CASE("postgres sequence: an event that became stale inside the transaction 
   CHECK_FALSE(ran);
   CHECK(f.balance(id) == "100");
   CHECK(f.seqs.last_applied(id) == 7u);
-  // The key completed with the stale marker: a redelivery (here through the guard directly,
-  // bypassing the pre-check) replays it rather than running anything.
-  auto rec = f.store.inspect(id + "/5");
-  REQUIRE(rec.has_value());
-  CHECK(rec->state == idem::State::completed);
+  CHECK(f.counts->count(Status::executed) == 1);  // event 1 only: the stale run is reported once, as stale
+  CHECK(f.counts->count(Status::stale) == 1);
+  CHECK(f.counts->handler_errors() == 0);
+  // The transaction rolled back: no record, no failure counted; the redelivery is stale at the check.
+  CHECK_FALSE(f.store.inspect(id + "/5").has_value());
   CHECK(idem::run_sequenced(f.guard, f.seqs, {.key = id + "/5", .entity = id, .seq = 5}, [] { return 1L; }).status ==
         Status::stale);
+}
+
+TEST_CASE("postgres sequence: run_sequenced stores the handler's result as guard.run does") {
+  TxFixture f;
+  const std::string id = uid("o");
+  CHECK(f.set_balance(id + "/2", id, 2, 42).status == Status::executed);
+  auto direct = f.guard.run(id + "/2", [] { return 0L; });  // the same key through the guard directly
+  CHECK(direct.status == Status::duplicate);
+  CHECK(direct.value == 42L);
 }
 
 TEST_CASE("postgres sequence: concurrent events of one entity serialise on the row lock") {

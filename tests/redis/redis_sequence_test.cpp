@@ -236,3 +236,102 @@ TEST_CASE("redis sequence: SequenceGate over RedisStore answers stale and advanc
                   std::runtime_error);
   CHECK(seqs.last_applied("acct-1") == 5u);
 }
+
+namespace {
+long evalsha_calls() {
+  const std::string info = server().command({"INFO", "commandstats"});
+  const auto at = info.find("cmdstat_evalsha:calls=");
+  return at == std::string::npos ? 0 : std::stol(info.substr(at + 22));
+}
+}  // namespace
+
+TEST_CASE("redis sequence: SequenceGate completes and advances in one script") {
+  auto o = opts();
+  idem::RedisStore store{o};
+  RedisSequenceStore seqs{o};
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  idem::SequenceGate gate{seqs};
+  int ran = 0;
+  auto handler = [&] { return ++ran; };
+
+  const long before = evalsha_calls();
+  auto out = gate.run(guard, {.key = "{acct-9}:evt-1", .entity = "acct-9", .seq = 1}, handler);
+  CHECK(out.status == Status::executed);
+  CHECK(out.advanced);
+  CHECK(out.last_applied == 1u);
+  CHECK(evalsha_calls() - before == 2);  // acquire, then complete_advance: no separate advance
+  CHECK(seqs.last_applied("acct-9") == 1u);
+  auto rec = store.inspect("{acct-9}:evt-1");
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::completed);
+
+  const long before_stale = evalsha_calls();
+  CHECK(gate.run(guard, {.key = "{acct-9}:evt-1", .entity = "acct-9", .seq = 1}, handler).status == Status::stale);
+  CHECK(evalsha_calls() == before_stale);  // one GET answers a stale redelivery
+  CHECK(ran == 1);
+
+  // A completion that lost its lease writes nothing and advances nothing.
+  idem::AcquireParams p{.lease = 10s, .retention = 1h, .token = 77};
+  auto a = store.acquire("{acct-9}:evt-2", p);
+  REQUIRE(a.status == idem::AcquireStatus::acquired);
+  idem::Holder stale_holder = a.holder;
+  stale_holder.token = 78;
+  auto lost = seqs.complete_advance(store, "{acct-9}:evt-2", stale_holder, "r", 1h, "acct-9", 2);
+  CHECK(lost.status == idem::WriteStatus::lease_lost);
+  CHECK_FALSE(lost.advance.advanced);
+  CHECK(seqs.last_applied("acct-9") == 1u);
+  CHECK(store.inspect("{acct-9}:evt-2")->state == idem::State::in_progress);
+  auto won = seqs.complete_advance(store, "{acct-9}:evt-2", a.holder, "r", 1h, "acct-9", 2);
+  CHECK(won.status == idem::WriteStatus::ok);
+  CHECK(won.advance.advanced);
+  CHECK(won.advance.previous == 1u);
+  // An older event completing later (it passed the check before 2 advanced) records, never goes back.
+  auto b = store.acquire("{acct-9}:evt-0", p);
+  auto older = seqs.complete_advance(store, "{acct-9}:evt-0", b.holder, "", 1h, "acct-9", 0);
+  CHECK(older.status == idem::WriteStatus::ok);
+  CHECK_FALSE(older.advance.advanced);
+  CHECK(older.advance.previous == 2u);
+  CHECK(seqs.last_applied("acct-9") == 2u);
+}
+
+TEST_CASE("redis sequence: a damaged sequence key fails closed after the result is recorded") {
+  auto o = opts();
+  idem::RedisStore store{o};
+  RedisSequenceStore seqs{o};
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  int ran = 0;
+  auto handler = [&] { return ++ran; };
+  idem::AcquireParams p{.lease = 10s, .retention = 1h, .token = 5};
+
+  // Damaged between the gate's check and the completion: the record completes (the effect is
+  // recorded, so no redelivery runs it again), the key is not overwritten, the caller gets the error.
+  auto a = store.acquire("{junk}:evt-1", p);
+  server().command({"SET", seqs.sequence_key("junk"), "12abc"});
+  CHECK_THROWS_AS(seqs.complete_advance(store, "{junk}:evt-1", a.holder, "", 1h, "junk", 1),
+                  idem::corrupt_record_error);
+  CHECK(store.inspect("{junk}:evt-1")->state == idem::State::completed);
+  CHECK(server().command({"GET", seqs.sequence_key("junk")}) == "12abc");
+  idem::SequenceGate gate{seqs};
+  CHECK_THROWS_AS(gate.run(guard, {.key = "{junk}:evt-1", .entity = "junk", .seq = 1}, handler),
+                  idem::corrupt_record_error);  // the redelivery stops at the same key
+  CHECK(ran == 0);
+
+  auto l = store.acquire("{list}:evt-1", p);
+  server().command({"LPUSH", seqs.sequence_key("list"), "1"});
+  try {
+    seqs.complete_advance(store, "{list}:evt-1", l.holder, "", 1h, "list", 1);
+    FAIL("no error");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "WRONGTYPE");
+  }
+  CHECK(store.inspect("{list}:evt-1")->state == idem::State::completed);
+
+  // One script writes both keys: a sequence store on another database cannot complete for this store.
+  auto other = o;
+  other.db = 1;
+  RedisSequenceStore elsewhere{other};
+  auto c = store.acquire("{acct}:evt-1", p);
+  CHECK_THROWS_AS(elsewhere.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "acct", 1), idem::usage_error);
+  CHECK(store.inspect("{acct}:evt-1")->state == idem::State::in_progress);
+  CHECK_THROWS_AS(seqs.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "", 1), idem::invalid_entity_error);
+}
