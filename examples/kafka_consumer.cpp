@@ -1,5 +1,6 @@
 // kafka_consumer: a starting template for a Kafka consumer with exactly-once effects
-// (librdkafka C API + IdempotencyGuard). Copy KafkaConsumer and put your logic in handle().
+// (librdkafka C API + IdempotencyGuard). Copy KafkaConsumer and put your logic in process(), at
+// "YOUR LOGIC GOES HERE".
 //
 //   idem_kafka_consumer --brokers HOST:PORT --topic payments --group payments-svc [--dlq payments.dlq]
 //   idem_kafka_consumer --mock [--events 1500] [--dup-percent 20] [--partitions 4]
@@ -7,14 +8,16 @@
 // --mock is the self-test run by CTest: it starts librdkafka's built-in mock cluster (3 brokers),
 // produces payment events with duplicates (some on another partition, as a retrying producer
 // would), runs one consumer, makes a second one join the group mid-run (a rebalance while the
-// first is in the middle of a batch), and checks that every payment was applied exactly once,
-// that the poison event went to the dead-letter topic, and that the committed offsets reached
+// first holds a polled, unprocessed batch, which it must drop), and checks that every payment was
+// applied exactly once, that the poison event (published twice; its first dead-letter write refused
+// by the mock) is in the dead-letter topic exactly once, and that the committed offsets reached
 // the end of every partition.
 //
 // How offsets work here (the part to keep when you adapt it):
 //  * enable.auto.commit=false and enable.auto.offset.store=false: an offset is *stored* only once
 //    the outcome of its message is known and says "ack" (executed, duplicate, stale, lease_lost) or
-//    the message was written to the dead-letter topic; stored offsets are *committed* every
+//    the message was written to the dead-letter topic (a write keyed in the guard too, so that a
+//    redelivery does not write it again); stored offsets are *committed* every
 //    commit_every acks / commit_interval, in the revoke callback, and at shutdown.
 //  * InFlight (another consumer holds the key) or a handler exception: the partition is paused,
 //    the rest of its batch dropped, and after retry_after the consumer seeks back to the message
@@ -143,12 +146,18 @@ struct Settings {
   // the whole partition waits meanwhile. (GuardOptions::wait_for_in_flight is the other knob.)
   idem::millis max_retry{1'000};
   idem::millis handler_delay{0};             // --mock only: simulated work per message
+  // SELF-TEST KNOB (--mock only; leave it null in a service). When the flag reads 1, the consumer
+  // holds its next polled batch unprocessed until the group revokes its partitions (bounded), so
+  // that the drop-after-revoke path of process() runs on every self-test instead of by luck.
+  // It sets the flag to 2 while holding and 3 once done.
+  std::atomic<int>* selftest_hold_batch = nullptr;
   std::map<std::string, std::string> extra;  // more librdkafka properties
 };
 
 struct Stats {
   std::atomic<long> delivered{0}, executed{0}, duplicates{0}, stale{0}, requeued{0}, handler_errors{0},
-      dead_lettered{0}, dropped_after_revoke{0}, rebalances{0}, commits{0}, commit_failures{0};
+      dead_lettered{0}, dead_letters_deduped{0}, dead_letter_failures{0}, dropped_after_revoke{0}, rebalances{0},
+      commits{0}, commit_failures{0};
 };
 
 using PartitionList =
@@ -175,6 +184,7 @@ public:
                 RebalanceHook on_rebalance = {})
       : s_(std::move(s)),
         guard_(guard),
+        dlq_guard_(guard.store(), dead_letter_options(guard.options())),
         ledger_(ledger),
         stats_(stats),
         on_ack_(std::move(on_ack)),
@@ -233,6 +243,7 @@ public:
         if (!m) break;
         batch.push_back({m, m->err ? 0 : epoch_of(m->partition)});
       }
+      if (s_.selftest_hold_batch) selftest_hold_until_revoke(batch);
       for (auto& p : batch) {
         process(p);
         rd_kafka_message_destroy(p.msg);
@@ -256,6 +267,24 @@ private:
     std::optional<std::int64_t> retry_offset;  // paused: seek back here at retry_due, then resume
     SteadyClock::time_point retry_due{};
   };
+
+  // SELF-TEST ONLY (see Settings::selftest_hold_batch): a service never waits like this. Polling
+  // goes on meanwhile (it serves the rebalance callback and heartbeats); whatever it returns joins
+  // the held batch, with the epoch of its partition at that moment, as a normal poll would.
+  void selftest_hold_until_revoke(std::vector<Polled>& batch) {
+    const bool has_message = std::any_of(batch.begin(), batch.end(), [](const Polled& p) { return !p.msg->err; });
+    int requested = 1;
+    if (!has_message || !s_.selftest_hold_batch->compare_exchange_strong(requested, 2)) return;
+    const long seen = revokes_;
+    const auto give_up = SteadyClock::now() + 20s;  // the self-test then fails on "dropped after revoke"
+    while (revokes_ == seen && !g_stop.load() && SteadyClock::now() < give_up) {
+      if (rd_kafka_message_t* m = rd_kafka_consumer_poll(rk_, 100))
+        batch.push_back({m, m->err ? 0 : epoch_of(m->partition)});
+    }
+    std::fprintf(stderr, "[%s] %.2fs self-test: held %zu polled messages through %s\n", s_.client_id.c_str(),
+                 uptime(), batch.size(), revokes_ == seen ? "NO revoke (gave up)" : "a revoke");
+    s_.selftest_hold_batch->store(3);
+  }
 
   std::uint64_t epoch_of(std::int32_t partition) {
     auto it = parts_.find(partition);
@@ -281,7 +310,9 @@ private:
     const std::string_view payload(static_cast<const char*>(m->payload), m->len);
     const std::optional<Payment> pay = parse_payment(payload);
     if (!pay) {  // can never succeed: straight to the dead-letter topic
-      dead_letter(m, "unparsable payload");
+      // No event id to key on: the message's own coordinates identify it across redeliveries.
+      dead_letter(m, s_.topic + "/" + std::to_string(m->partition) + "@" + std::to_string(m->offset),
+                  "unparsable payload");
       return;
     }
     try {
@@ -323,8 +354,10 @@ private:
           retry_later(m, std::min(out.retry_after, s_.max_retry));
           break;
         case idem::BrokerAction::dead_letter:
-          dead_letter(m, out.status == idem::Status::mismatch ? "payload differs from the first delivery of this id"
-                                                              : "failed permanently: " + out.error);
+          // Keyed on the payload too: each distinct payload reusing an id is its own dead letter.
+          dead_letter(m, pay->id + ":" + idem::fingerprint(payload),
+                      out.status == idem::Status::mismatch ? "payload differs from the first delivery of this id"
+                                                           : "failed permanently: " + out.error);
           break;
       }
     } catch (const idem::error& e) {
@@ -378,9 +411,50 @@ private:
     }
   }
 
-  // Writes the message to the dead-letter topic and waits for the broker's ack before storing the
-  // offset: a dead letter must never be lost between the two.
-  void dead_letter(const rd_kafka_message_t* m, const std::string& reason) {
+  // The dead-letter write goes through the guard under its own key ("dlq:" + key), because storing
+  // the offset after it is no guarantee: the commit can be refused (a rebalance) and the partition's
+  // next owner then redelivers the message, which ends up here again; without the key it would be
+  // dead-lettered twice. With it, that redelivery answers Duplicate and only stores the offset.
+  // (Left open, as for any effect: the DLQ write acked but the store down before the completion.)
+  void dead_letter(const rd_kafka_message_t* m, const std::string& key, const std::string& reason) {
+    try {
+      auto out = dlq_guard_.run("dlq:" + key, [&] { write_dead_letter(m, reason); });
+      switch (out.action()) {
+        case idem::BrokerAction::ack:  // executed: written now; duplicate: by an earlier delivery
+          (out.status == idem::Status::duplicate ? stats_.dead_letters_deduped : stats_.dead_lettered).fetch_add(1);
+          store_offset(m);
+          return;
+        case idem::BrokerAction::requeue:  // another consumer is writing it right now
+          retry_later(m, std::min(out.retry_after, s_.max_retry));
+          return;
+        case idem::BrokerAction::dead_letter:  // not with FailureMode::release and no fingerprint
+          break;
+      }
+      std::fprintf(stderr, "[%s] dead-letter key %s: %s\n", s_.client_id.c_str(), key.c_str(),
+                   std::string(idem::to_string(out.status)).c_str());
+      retry_later(m, idem::millis{30'000});
+    } catch (const std::exception& e) {
+      // The write failed (the key is released: see dead_letter_options) or the store did: either
+      // way nothing is stored, and the message comes back here after the pause.
+      stats_.dead_letter_failures.fetch_add(1);
+      std::fprintf(stderr, "[%s] dead letter for %s not written (%s); retrying the message later\n",
+                   s_.client_id.c_str(), key.c_str(), e.what());
+      retry_later(m, idem::millis{1'000});
+    }
+  }
+
+  // The guard for dead-letter writes: the consumer's options, but a failed write must release its
+  // key at once so the retry can write it. The consumer's own policy (record: backoff, then
+  // permanent after max_attempts) would answer in_flight meanwhile and finally previously_failed,
+  // i.e. a dead letter that is never written.
+  static idem::GuardOptions dead_letter_options(idem::GuardOptions o) {
+    o.failure = {.mode = idem::FailureMode::release};
+    return o;
+  }
+
+  // Writes the message to the dead-letter topic and waits for the broker's ack (flush), so that the
+  // guard records the write only once it is durable; throws if it is not.
+  void write_dead_letter(const rd_kafka_message_t* m, const std::string& reason) {
     if (!dlq_) {
       rd_kafka_conf_t* conf = rd_kafka_conf_new();
       set_conf(conf, "bootstrap.servers", s_.brokers);
@@ -397,19 +471,14 @@ private:
       }
     }
     dlq_err_ = RD_KAFKA_RESP_ERR__IN_PROGRESS;
-    const rd_kafka_resp_err_t e =
+    rd_kafka_resp_err_t e =
         rd_kafka_producev(dlq_, RD_KAFKA_V_TOPIC(s_.dlq_topic.c_str()), RD_KAFKA_V_KEY(m->key, m->key_len),
                           RD_KAFKA_V_VALUE(m->payload, m->len),
                           RD_KAFKA_V_HEADER("idem-reason", reason.data(), static_cast<ssize_t>(reason.size())),
                           RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_END);
-    if (e != RD_KAFKA_RESP_ERR_NO_ERROR || rd_kafka_flush(dlq_, 10'000) != RD_KAFKA_RESP_ERR_NO_ERROR ||
-        dlq_err_ != RD_KAFKA_RESP_ERR_NO_ERROR) {
-      std::fprintf(stderr, "[%s] dead-letter write failed; retrying the message later\n", s_.client_id.c_str());
-      retry_later(m, idem::millis{1'000});
-      return;
-    }
-    stats_.dead_lettered.fetch_add(1);
-    store_offset(m);
+    if (e == RD_KAFKA_RESP_ERR_NO_ERROR) e = rd_kafka_flush(dlq_, 10'000);
+    if (e == RD_KAFKA_RESP_ERR_NO_ERROR) e = dlq_err_.load();
+    if (e != RD_KAFKA_RESP_ERR_NO_ERROR) throw std::runtime_error(std::string("dlq write: ") + rd_kafka_err2str(e));
   }
 
   void commit(bool async) {
@@ -458,6 +527,7 @@ private:
                  err == RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS ? "assigned" : "revoked", names.c_str(),
                  protocol ? "" : " (group already closed)");
     if (!protocol) {
+      ++revokes_;
       for (auto& [partition, ps] : parts_) {
         ps.owned = false;
         ++ps.epoch;
@@ -491,6 +561,7 @@ private:
     // them from the old generation — so --mock logs "rebalance in progress" here: the next owner
     // then redelivers those messages and the guard answers Duplicate.)
     if (err == RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS && !rd_kafka_assignment_lost(rk_)) commit(/*async=*/false);
+    ++revokes_;
     for (int i = 0; i < parts->cnt; ++i) {
       PartitionState& ps = parts_[parts->elems[i].partition];
       ps.owned = false;
@@ -507,6 +578,7 @@ private:
 
   Settings s_;
   Guard& guard_;
+  Guard dlq_guard_;  // same store, its own failure policy: see dead_letter_options()
   Ledger& ledger_;
   Stats& stats_;
   AckHook on_ack_;
@@ -516,6 +588,7 @@ private:
   std::atomic<rd_kafka_resp_err_t> dlq_err_{RD_KAFKA_RESP_ERR_NO_ERROR};  // set by the DLQ producer's delivery report
   std::map<std::int32_t, PartitionState> parts_;                          // touched only on the consumer thread
   int uncommitted_ = 0;
+  long revokes_ = 0;  // revoke callbacks served so far (consumer thread only)
   SteadyClock::time_point last_commit_ = SteadyClock::now();
 };
 
@@ -632,6 +705,12 @@ int run_mock(int argc, char** argv) {
     const auto home =
         static_cast<std::int32_t>(std::hash<std::string>{}(pays[i].account) % static_cast<std::size_t>(partitions));
     outbox.push_back({i, home});
+    if (pays[i].amount == 0) {
+      // The poison always twice, on two partitions: both copies end up dead-lettered and the
+      // second must find its dead letter already written (the topic must hold exactly one).
+      outbox.push_back({i, static_cast<std::int32_t>((home + 1) % partitions)});
+      continue;
+    }
     if (static_cast<int>(rng() % 100) < dup_percent) {
       const bool elsewhere = rng() % 2 == 0;
       outbox.push_back({i, elsewhere ? static_cast<std::int32_t>((home + 1) % partitions) : home});
@@ -670,6 +749,9 @@ int run_mock(int argc, char** argv) {
   }
 
   std::fprintf(stderr, "[mock] %.2fs produced %zu messages\n", uptime(), outbox.size());
+  // The first dead-letter write is refused (from here on only the DLQ producer sends Produce,
+  // ApiKey 0): its guard run must end with the key released, so that a retry writes it.
+  rd_kafka_mock_push_request_errors(mc, 0, 1, RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE);
 
   // Shared by both consumers (one process): see the note on MemoryStore at the top.
   Store store;
@@ -739,9 +821,12 @@ int run_mock(int argc, char** argv) {
 
   std::vector<std::thread> threads;
   std::atomic<long> failures{0};
-  auto start_consumer = [&](const char* name, int stops_at) {
+  // consumer-a's self-test knob (Settings::selftest_hold_batch): 1 asked, 2 holding, 3 done.
+  std::atomic<int> hold_batch{0};
+  auto start_consumer = [&](const char* name, int stops_at, std::atomic<int>* hold) {
     Settings mine = s;
     mine.client_id = name;
+    mine.selftest_hold_batch = hold;
     Membership* m = &members[threads.size()];
     threads.emplace_back([&, mine, stops_at, m] {
       try {
@@ -758,15 +843,24 @@ int run_mock(int argc, char** argv) {
     });
   };
 
-  start_consumer("consumer-a", 2);
+  start_consumer("consumer-a", 2, &hold_batch);
   const long join_at = static_cast<long>(events) / 4;
   bool joined = false, committed_ok = false;
-  SteadyClock::time_point joined_at{}, applied_at{}, committed_at{};
+  SteadyClock::time_point hold_asked{}, joined_at{}, applied_at{}, committed_at{};
   auto next_check = SteadyClock::now();
   while (failures.load() == 0) {
     const auto now = SteadyClock::now();
-    if (!joined && ledger.total_applied() >= join_at) {
-      start_consumer("consumer-b", 1);  // joins the group mid-run: rebalance while consumer-a is mid-batch
+    if (hold_asked == SteadyClock::time_point{} && ledger.total_applied() >= join_at) {
+      hold_batch.store(1);
+      hold_asked = now;
+    }
+    // consumer-b joins the group once consumer-a holds a polled, unprocessed batch: the rebalance
+    // then revokes partitions under that batch for sure, not only when the timing happens to allow.
+    // If consumer-a never gets to hold one, it joins anyway and the run fails on the drop count.
+    if (!joined && hold_asked != SteadyClock::time_point{} && (hold_batch.load() >= 2 || now - hold_asked > 5s)) {
+      int asked = 1;
+      hold_batch.compare_exchange_strong(asked, 0);  // not holding yet: too late, cancel
+      start_consumer("consumer-b", 1, nullptr);
       joined = true;
       joined_at = now;
     }
@@ -856,10 +950,13 @@ int run_mock(int argc, char** argv) {
   std::printf("  %-34s %8ld\n", "requeued (seek back)", stats.requeued.load());
   std::printf("  %-34s %8ld\n", "handler errors (poison retries)", stats.handler_errors.load());
   std::printf("  %-34s %8ld\n", "dead-lettered", stats.dead_lettered.load());
+  std::printf("  %-34s %8ld\n", "dead letters already written", stats.dead_letters_deduped.load());
+  std::printf("  %-34s %8ld\n", "dead-letter writes failed (retried)", stats.dead_letter_failures.load());
   std::printf("  %-34s %8ld\n", "dropped after revoke", stats.dropped_after_revoke.load());
   std::printf("  %-34s %8ld\n", "rebalance callbacks", stats.rebalances.load());
   std::printf("  %-34s %8ld\n", "commits refused (redelivered later)", stats.commit_failures.load());
   std::printf("  %-34s %8s\n", "second consumer joined", joined ? "yes" : "NO");
+  std::printf("  %-34s %8s\n", "first held a batch through it", hold_batch.load() == 3 ? "yes" : "NO");
   std::printf("  %-34s %8s\n", "first took over after it left", took_over ? "yes" : "NO");
   auto at = [&](SteadyClock::time_point t) {
     return t == SteadyClock::time_point{} ? -1.0 : std::chrono::duration<double>(t - t0).count();
@@ -873,7 +970,9 @@ int run_mock(int argc, char** argv) {
               once, events - 1, twice, never, balances_ok ? "exact" : "WRONG", committed_ok ? "at end" : "NOT AT END");
   const bool ok = failures.load() == 0 && !timed_out.load() && joined && once == events - 1 && twice == 0 &&
                   never == 0 && balances_ok && committed_ok && poison_skipped && dlq_hi - dlq_lo == 1 &&
-                  took_over && stats.rebalances.load() >= 3;
+                  took_over && stats.rebalances.load() >= 3 && hold_batch.load() == 3 &&
+                  stats.dropped_after_revoke.load() > 0 && stats.dead_letters_deduped.load() >= 1 &&
+                  stats.dead_letter_failures.load() >= 1;
   if (timed_out.load()) std::printf("  TIMED OUT after %lld s\n", static_cast<long long>(time_limit.count()));
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
