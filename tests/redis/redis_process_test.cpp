@@ -5,6 +5,7 @@
 #include <chrono>
 #include <csignal>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -14,6 +15,7 @@
 #include <unistd.h>
 
 #include "idem/idem.hpp"
+#include "idem/redis_sequence.hpp"
 #include "idem/redis_store.hpp"
 #include "redis_factory.hpp"
 
@@ -153,4 +155,51 @@ TEST_CASE("redis: a holder SIGSTOPped past its lease gets lease_lost and the new
   CHECK(rec->state == idem::State::completed);
   CHECK(rec->result == "new");
   CHECK(rec->holder == r.holder);
+}
+
+namespace {
+// SIGKILLs `kills` fresh workers of mode `ordered` at random moments and counts, over what each
+// left behind, the entities whose highest completed event is above their last applied sequence:
+// an event recorded as done whose advance was lost with the process.
+int behind_after_kills(RedisServer& srv, bool combined, int kills, std::mt19937& rng) {
+  idem::RedisOptions o = srv.options();
+  RedisStore store{o};
+  idem::RedisSequenceStore seqs{o};
+  constexpr int entities = 4000, per_entity = 4;
+  int behind = 0;
+  for (int k = 0; k < kills; ++k) {
+    const std::string ns = "ord-" + idem::test::random_hex();
+    Child c = Child::start({"ordered", std::to_string(o.port), ns, std::to_string(entities),
+                            std::to_string(per_entity), combined ? "1" : "0"});
+    REQUIRE(c.line() == "ready");
+    std::this_thread::sleep_for(std::chrono::milliseconds(5 + rng() % 40));
+    ::kill(c.pid, SIGKILL);
+    CHECK(c.wait() == 128 + SIGKILL);
+    for (int e = 0; e < entities; ++e) {
+      const std::string entity = ns + "-" + std::to_string(e);
+      std::uint64_t top = 0;
+      for (int q = 1; q <= per_entity; ++q) {
+        auto r = store.inspect("{" + entity + "}:" + std::to_string(q));
+        if (r && r->state == idem::State::completed) top = static_cast<std::uint64_t>(q);
+      }
+      if (top == 0) {
+        if (!store.inspect("{" + entity + "}:1")) break;  // the worker never got this far
+        continue;
+      }
+      if (seqs.last_applied(entity).value_or(0) < top) ++behind;
+    }
+  }
+  return behind;
+}
+}  // namespace
+
+TEST_CASE("redis: SIGKILL never separates a gate's completion from its advance", "[redis][process][sequence]") {
+  RedisServer server;
+  std::mt19937 rng(std::random_device{}());
+  const int combined = behind_after_kills(server, true, 25, rng);
+  const int two_step = behind_after_kills(server, false, 25, rng);
+  // Two steps leave a window (repaired later by the duplicate path); one script leaves none.
+  WARN("entities left with a completed event above their sequence after 25 SIGKILLs each: one script "
+       << combined << ", two steps " << two_step);
+  CHECK(combined == 0);
 }

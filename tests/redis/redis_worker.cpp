@@ -5,6 +5,10 @@
 //                                     the handler until killed (bounded: 60 s)
 //   slow  <port> <key> <lease_ms> <work_ms>  like hold, but return "old" after work_ms; exit 0 when
 //                                     executed, 3 when the completion found the lease lost
+//   ordered <port> <ns> <entities> <per_entity> <combined 1|0>  SequenceGate over RedisStore:
+//                                     entities "<ns>-<e>" in turn, each with seq 1..per_entity in order
+//                                     (key "{<ns>-<e>}:<seq>"); combined 0 hides complete_advance, so
+//                                     the gate completes and advances in two steps. Prints "ready".
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +20,7 @@
 #include <vector>
 
 #include "idem/idem.hpp"
+#include "idem/redis_sequence.hpp"
 #include "idem/redis_store.hpp"
 
 namespace {
@@ -72,6 +77,41 @@ int hold(char** argv, bool slow) {
   return 4;
 }
 
+// The same sequence store without complete_advance: SequenceGate falls back to two steps.
+struct TwoStep {
+  idem::RedisSequenceStore* s;
+  std::optional<std::uint64_t> last_applied(std::string_view e) { return s->last_applied(e); }
+  idem::AdvanceResult advance(std::string_view e, std::uint64_t seq) { return s->advance(e, seq); }
+};
+
+template <class Seq>
+int ordered_run(idem::RedisStore& store, Seq& seqs, const std::string& ns, int entities, int per_entity) {
+  idem::IdempotencyGuard guard(store, {.lease = idem::millis{30'000}, .retention = idem::millis{600'000}});
+  idem::SequenceGate gate(seqs);
+  std::printf("ready\n");
+  std::fflush(stdout);
+  for (int e = 0; e < entities; ++e) {
+    const std::string entity = ns + "-" + std::to_string(e);
+    for (int q = 1; q <= per_entity; ++q) {
+      const std::string key = "{" + entity + "}:" + std::to_string(q);
+      gate.run(guard, {.key = key, .entity = entity, .seq = static_cast<std::uint64_t>(q)}, [q] { return q; });
+    }
+  }
+  std::printf("done\n");
+  return 0;
+}
+
+int ordered(char** argv) {
+  idem::RedisStore store = connect(argv[2]);
+  idem::RedisOptions o;
+  o.port = std::atoi(argv[2]);
+  o.pool_size = 2;
+  idem::RedisSequenceStore seqs(o);
+  if (std::string(argv[6]) == "1") return ordered_run(store, seqs, argv[3], std::atoi(argv[4]), std::atoi(argv[5]));
+  TwoStep two{&seqs};
+  return ordered_run(store, two, argv[3], std::atoi(argv[4]), std::atoi(argv[5]));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -80,7 +120,8 @@ int main(int argc, char** argv) {
     if (mode == "race" && argc == 6) return race(argv);
     if (mode == "hold" && argc == 5) return hold(argv, false);
     if (mode == "slow" && argc == 6) return hold(argv, true);
-    std::fprintf(stderr, "usage: idem_redis_worker race|hold|slow ...\n");
+    if (mode == "ordered" && argc == 7) return ordered(argv);
+    std::fprintf(stderr, "usage: idem_redis_worker race|hold|slow|ordered ...\n");
     return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "idem_redis_worker: %s\n", e.what());
