@@ -49,6 +49,19 @@ std::uint64_t parse_seq(std::string_view s, std::string_view entity) {
   return v;
 }
 
+// advance_seq's reply (sequence.lua): code 1 advanced / 0 not, and the value it found.
+AdvanceResult advance_result(std::int64_t code, std::string_view prev, std::string_view entity, std::uint64_t seq,
+                             const std::string& what) {
+  if (code != 0 && code != 1) throw store_error("idem: unexpected Redis reply to " + what, "", false);
+  AdvanceResult out;
+  out.advanced = code == 1;
+  if (!prev.empty()) out.previous = parse_seq(prev, entity);
+  // The script only writes when the value grows; a reply saying otherwise is a broken script.
+  if (out.previous && out.advanced != (*out.previous < seq))
+    throw store_error("idem: inconsistent Redis reply to " + what, "", false);
+  return out;
+}
+
 }  // namespace
 
 struct RedisSequenceStore::Impl : detail::redis::Pool {
@@ -159,14 +172,7 @@ AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t
   if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_INTEGER ||
       r->element[1]->type != REDIS_REPLY_STRING)
     throw store_error("idem: unexpected Redis reply to " + what, "", false);
-  AdvanceResult out;
-  out.advanced = r->element[0]->integer == 1;
-  const std::string_view prev = reply_text(r->element[1]);
-  if (!prev.empty()) out.previous = parse_seq(prev, entity);
-  // The script only writes when the value grows; a reply saying otherwise is a broken script.
-  if (out.previous && out.advanced != (*out.previous < seq))
-    throw store_error("idem: inconsistent Redis reply to " + what, "", false);
-  return out;
+  return advance_result(r->element[0]->integer, reply_text(r->element[1]), entity, seq, what);
 }
 
 CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, std::string_view key, const Holder& h,
@@ -213,11 +219,7 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
                                "' was recorded, but the Redis sequence of entity '" + printable(entity) + "' holds '" +
                                printable(prev) + "', not a decimal uint64, so it was not advanced; repair the key");
   if (code == -2) im.throw_reply(prev, what + " (the result was recorded; the sequence key is not a string)");
-  if (code != 0 && code != 1) throw store_error("idem: unexpected Redis reply to " + what, "", false);
-  out.advance.advanced = code == 1;
-  if (!prev.empty()) out.advance.previous = parse_seq(prev, entity);
-  if (out.advance.previous && out.advance.advanced != (*out.advance.previous < seq))
-    throw store_error("idem: inconsistent Redis reply to " + what, "", false);
+  out.advance = advance_result(code, prev, entity, seq, what);
   return out;
 }
 

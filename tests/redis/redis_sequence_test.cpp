@@ -39,6 +39,14 @@ idem::RedisOptions opts() {
   return o;
 }
 
+// A RedisStore, its guard and a RedisSequenceStore on the same server (and key prefix).
+struct GateFixture {
+  idem::RedisOptions o = opts();
+  idem::RedisStore store{o};
+  RedisSequenceStore seqs{o};
+  idem::IdempotencyGuard<idem::RedisStore> guard{store, {.lease = 10s, .retention = 1h}};
+};
+
 }  // namespace
 
 TEST_CASE("redis sequence: compare-and-set in order, older, equal, gaps") {
@@ -194,10 +202,8 @@ TEST_CASE("redis sequence: 8 threads on shared entities end at the max, each adv
 }
 
 TEST_CASE("redis sequence: SequenceGate over RedisStore answers stale and advances") {
-  auto o = opts();
-  idem::RedisStore store{o};
-  RedisSequenceStore seqs{o};
-  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  GateFixture f;
+  auto& [o, store, seqs, guard] = f;
   idem::SequenceGate gate{seqs};
   std::vector<std::uint64_t> ran;
   auto deliver = [&](std::uint64_t seq, std::string_view entity = "acct-1") {
@@ -246,10 +252,8 @@ long evalsha_calls() {
 }  // namespace
 
 TEST_CASE("redis sequence: SequenceGate completes and advances in one script") {
-  auto o = opts();
-  idem::RedisStore store{o};
-  RedisSequenceStore seqs{o};
-  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  GateFixture f;
+  auto& [o, store, seqs, guard] = f;
   idem::SequenceGate gate{seqs};
   int ran = 0;
   auto handler = [&] { return ++ran; };
@@ -295,10 +299,8 @@ TEST_CASE("redis sequence: SequenceGate completes and advances in one script") {
 }
 
 TEST_CASE("redis sequence: a damaged sequence key fails closed after the result is recorded") {
-  auto o = opts();
-  idem::RedisStore store{o};
-  RedisSequenceStore seqs{o};
-  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  GateFixture f;
+  auto& [o, store, seqs, guard] = f;
   int ran = 0;
   auto handler = [&] { return ++ran; };
   idem::AcquireParams p{.lease = 10s, .retention = 1h, .token = 5};
