@@ -1,5 +1,6 @@
 // RedisStore benchmark: the guard with a no-op handler on new and duplicate keys at 1 and 16 in
-// flight, a takeover pass, and batch claim/complete; round trips per message counted from the
+// flight, a takeover pass, batch claim/complete, and SequenceGate events (completion and advance
+// in one script, and the two-step fallback for comparison); round trips per message counted from the
 // server's INFO commandstats; MEMORY USAGE of a retained record. scripts/bench-redis runs it next
 // to redis-benchmark on the same server and prints the ratios.
 //
@@ -20,6 +21,7 @@
 #include <hiredis/hiredis.h>
 
 #include "idem/idem.hpp"
+#include "idem/redis_sequence.hpp"
 #include "idem/redis_store.hpp"
 
 namespace {
@@ -119,6 +121,34 @@ Phase guard_phase(const std::string& name, idem::RedisStore& store, Admin& admin
   for (auto& t : ts) t.join();
   Phase p{name, static_cast<long>(keys.size()), std::chrono::duration<double>(Clock::now() - t0).count(), 0,
           unexpected.load()};
+  p.calls = admin.client_calls();
+  p.server_usec = admin.evalsha_usec();
+  return p;
+}
+
+// The sequence store without complete_advance: SequenceGate then completes and advances in two steps.
+struct TwoStep {
+  idem::RedisSequenceStore* s;
+  std::optional<std::uint64_t> last_applied(std::string_view e) { return s->last_applied(e); }
+  idem::AdvanceResult advance(std::string_view e, std::uint64_t seq) { return s->advance(e, seq); }
+};
+
+// One thread sends `n` new events through a SequenceGate: 100 entities, sequences ascending.
+template <class Seq>
+Phase gate_phase(const std::string& name, idem::RedisStore& store, Seq& seqs, Admin& admin, const std::string& ns,
+                 long n) {
+  idem::IdempotencyGuard guard(store, {.lease = 30s, .retention = 1h});
+  idem::SequenceGate gate(seqs);
+  long unexpected = 0;
+  admin.reset();
+  const auto t0 = Clock::now();
+  for (long i = 0; i < n; ++i) {
+    const std::string entity = ns + std::to_string(i % 100);
+    const std::string key = "{" + entity + "}:" + std::to_string(i);
+    auto out = gate.run(guard, {.key = key, .entity = entity, .seq = static_cast<std::uint64_t>(i / 100 + 1)}, [] {});
+    if (out.status != idem::Status::executed || !out.advanced) ++unexpected;
+  }
+  Phase p{name, n, std::chrono::duration<double>(Clock::now() - t0).count(), 0, unexpected};
   p.calls = admin.client_calls();
   p.server_usec = admin.evalsha_usec();
   return p;
@@ -271,6 +301,22 @@ int main(int argc, char** argv) try {
     best_batch = rep == 0 ? ph : best(best_batch, ph);
   }
   report(best_batch);
+
+  // SequenceGate, 1 in flight: complete_advance (one script) against the two-step fallback.
+  {
+    idem::RedisSequenceStore seqs(o);
+    TwoStep two{&seqs};
+    Phase one_best, two_best;
+    for (int rep = 0; rep < a.repeat; ++rep) {
+      const std::string ns = "g" + run + "r" + std::to_string(rep);
+      Phase x = gate_phase("gate_one_script_c1", store, seqs, admin, ns + "a-", a.messages);
+      Phase y = gate_phase("gate_two_step_c1", store, two, admin, ns + "b-", a.messages);
+      one_best = rep == 0 ? x : best(one_best, x);
+      two_best = rep == 0 ? y : best(two_best, y);
+    }
+    report(one_best);
+    report(two_best);
+  }
 
   // Memory of one retained record: completed, empty result, no fingerprint.
   for (const std::string& k : {"ord-" + run, "550e8400-e29b-41d4-a716-" + std::string(12 - std::min<std::size_t>(12, run.size()), '0') + run}) {
