@@ -18,14 +18,12 @@
 -- Redis >= 5 replicates scripts by their effects, which is what lets them call TIME before a
 -- write; on older servers that write fails (error reply, nothing changed). This file runs on
 -- every script call, so it allocates nothing per call that it can spell as a constant.
+-- Its functions are closures created on every call, and each chunk-level local one of them uses
+-- is an upvalue that costs each call a little: so the functions write the states as literals
+-- (1 in_progress, 2 completed, 3 failed) and reach string/bit/struct through their globals or
+-- function-level locals. The names below are for the scripts' own use.
 
 local IN_PROGRESS, COMPLETED, FAILED = 1, 2, 3
-
--- struct format of the generation for a width code (header bits 0x08 and 0x40).
-local function gen_format(gw)
-  if gw == 0 then return 'B' elseif gw == 8 then return 'H' elseif gw == 64 then return 'I4' end
-  return 'd'
-end
 
 local function corrupt(why)
   error({err = 'IDEMCORRUPT idem record ' .. why .. ', so it was not written by this idem version'})
@@ -36,50 +34,78 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
+-- The codec reads and writes the layout above with string.byte/sub/char, and struct only with
+-- constant formats (doubles, 16- and 32-bit lengths): no format string is built per call. A value
+-- is refused (IDEMCORRUPT) unless it has the v1 bit, a state, parses to exactly its length and
+-- holds an integer generation >= 1; the messages are those of the struct-based decoder before it.
 local function decode(s)
+  local byte, band = string.byte, bit.band
   local n = #s
   if n < 10 then corrupt('is ' .. n .. ' bytes long') end
-  local h = string.byte(s, 1)
+  local h = byte(s, 1)
   local st = h % 4
   if h < 128 or st == 0 then corrupt('has an unknown header byte ' .. h) end
-  local has_fp, has_pay = bit.band(h, 16) ~= 0, bit.band(h, 32) ~= 0
-  local f = '>B' .. gen_format(bit.band(h, 72)) .. 'c8' ..
-            ((st == IN_PROGRESS and 'dHc0') or (st == FAILED and 'd') or '') ..
-            (has_fp and 'Hc0' or '') .. (has_pay and 'I4c0' or '')
-  local ok, _, gen, tok, a, b, c, d, e = pcall(struct.unpack, f, s)
-  if not ok then corrupt('of ' .. n .. ' bytes does not parse') end
-  local r = {st = st, perm = bit.band(h, 4) ~= 0, gen = gen, tok = tok, fp = '', pay = '', owner = ''}
-  -- a, b, c, d, e: the values after the token in layout order, then the end position.
-  if st == IN_PROGRESS then
-    r.lease, r.owner, a, b, c = a, b, c, d, e
-  elseif st == FAILED then
-    r.retry, a, b, c = a, b, c, d
+  local gw, gen, p = band(h, 72)
+  -- n >= 10, so every generation width fits; p is the token's first byte.
+  if gw == 0 then
+    gen, p = byte(s, 2), 3
+  elseif gw == 8 then
+    local a, b = byte(s, 2, 3)
+    gen, p = a * 256 + b, 4
+  elseif gw == 64 then
+    local a, b, c, d = byte(s, 2, 5)
+    gen, p = ((a * 256 + b) * 256 + c) * 256 + d, 6
+  else
+    gen, p = struct.unpack('>d', s, 2)
   end
-  if has_fp then r.fp, a, b = a, b, c end
-  if has_pay then r.pay, a = a, b end
-  if a ~= n + 1 then corrupt('of ' .. n .. ' bytes does not parse') end
+  local q = p + 8 -- the first byte after the token
+  if q > n + 1 then corrupt('of ' .. n .. ' bytes does not parse') end
+  local r = {st = st, perm = band(h, 4) ~= 0, gen = gen, tok = string.sub(s, p, q - 1), fp = '', pay = '',
+             owner = ''}
+  if st == 1 then -- in_progress: lease, owner
+    if q + 9 > n then corrupt('of ' .. n .. ' bytes does not parse') end
+    local a, b = byte(s, q + 8, q + 9)
+    local e = q + 10 + a * 256 + b
+    if e > n + 1 then corrupt('of ' .. n .. ' bytes does not parse') end
+    r.lease, r.owner, q = struct.unpack('>d', s, q), string.sub(s, q + 10, e - 1), e
+  elseif st == 3 then -- failed: retry time
+    if q + 7 > n then corrupt('of ' .. n .. ' bytes does not parse') end
+    r.retry, q = struct.unpack('>d', s, q), q + 8
+  end
+  if band(h, 16) ~= 0 then
+    if q + 1 > n then corrupt('of ' .. n .. ' bytes does not parse') end
+    local a, b = byte(s, q, q + 1)
+    local e = q + 2 + a * 256 + b
+    if e > n + 1 then corrupt('of ' .. n .. ' bytes does not parse') end
+    r.fp, q = string.sub(s, q + 2, e - 1), e
+  end
+  if band(h, 32) ~= 0 then
+    if q + 3 > n then corrupt('of ' .. n .. ' bytes does not parse') end
+    local a, b, c, d = byte(s, q, q + 3)
+    local e = q + 4 + ((a * 256 + b) * 256 + c) * 256 + d
+    if e > n + 1 then corrupt('of ' .. n .. ' bytes does not parse') end
+    r.pay, q = string.sub(s, q + 4, e - 1), e
+  end
+  if q ~= n + 1 then corrupt('of ' .. n .. ' bytes does not parse') end
   if gen < 1 or gen ~= math.floor(gen) then corrupt('has generation ' .. tostring(gen)) end
   return r
 end
 
 local function encode(r)
-  local g, st, fp, pay = r.gen, r.st, r.fp, r.pay
-  local gw = (g < 256 and 0) or (g < 65536 and 8) or (g < 4294967296 and 64) or 72
-  local h = 128 + st + gw
+  local st, g, tok, fp, pay = r.st, r.gen, r.tok, r.fp, r.pay
+  local h = 128 + st
   if r.perm then h = h + 4 end
-  if fp ~= '' then h = h + 16 end
-  if pay ~= '' then h = h + 32 end
-  local gf, s = gen_format(gw)
-  if st == IN_PROGRESS then
-    s = struct.pack('>B' .. gf .. 'c8dHc0', h, g, r.tok, r.lease, #r.owner, r.owner)
-  elseif st == FAILED then
-    s = struct.pack('>B' .. gf .. 'c8d', h, g, r.tok, r.retry)
-  else
-    s = struct.pack('>B' .. gf .. 'c8', h, g, r.tok)
-  end
-  if fp ~= '' then s = s .. struct.pack('>Hc0', #fp, fp) end
-  if pay ~= '' then s = s .. struct.pack('>I4c0', #pay, pay) end
-  return s
+  if fp ~= '' then h, fp = h + 16, struct.pack('>H', #fp) .. fp end
+  if pay ~= '' then h, pay = h + 32, struct.pack('>I4', #pay) .. pay end
+  if #tok ~= 8 then tok = struct.pack('c8', tok) end -- as c8 always did: an error when short, cut when long
+  -- the header and the generation in the narrowest width that holds it
+  if g < 256 then h = string.char(h, g)
+  elseif g < 65536 then h = struct.pack('>BH', h + 8, g)
+  elseif g < 4294967296 then h = struct.pack('>BI4', h + 64, g)
+  else h = struct.pack('>Bd', h + 72, g) end
+  if st == 1 then return h .. tok .. struct.pack('>dH', r.lease, #r.owner) .. r.owner .. fp .. pay end
+  if st == 3 then return h .. tok .. struct.pack('>d', r.retry) .. fp .. pay end
+  return h .. tok .. fp .. pay
 end
 
 -- The record of a live holder (state in_progress, fence and token equal), or nil.
@@ -87,7 +113,7 @@ local function held(key, fence, token)
   local raw = redis.call('GET', key)
   if not raw then return nil end
   local r = decode(raw)
-  if r.st ~= IN_PROGRESS or r.gen ~= tonumber(fence) or r.tok ~= token then return nil end
+  if r.st ~= 1 or r.gen ~= tonumber(fence) or r.tok ~= token then return nil end
   return r
 end
 
@@ -97,18 +123,21 @@ end
 -- Acquire of one key (DESIGN.md section 1). Reply: {1 acquired, fence, takeover 0/1}
 -- | {2 in_flight, attempts, retry_after ms} | {3 duplicate, attempts, result}
 -- | {4 previously_failed, attempts, error} | {5 mismatch, attempts}
-local function acquire_key(key, token, lease, ret, fp, owner, now)
+-- A batch passes `fresh`, the record of a new key (fence 1) encoded once for all its keys, and
+-- `acquired`, one {1, 1, 0} reply table shared by its new keys (never modified); nil for either
+-- makes acquire_key build its own.
+local function acquire_key(key, token, lease, ret, fp, owner, now, fresh, acquired)
   local raw = redis.call('GET', key)
   if not raw then
-    redis.call('SET', key, encode({st = IN_PROGRESS, gen = 1, tok = token, lease = now + lease, owner = owner,
-                                   fp = fp, pay = ''}), 'PX', ret)
-    return {1, 1, 0}
+    redis.call('SET', key, fresh or encode({st = 1, gen = 1, tok = token, lease = now + lease, owner = owner,
+                                            fp = fp, pay = ''}), 'PX', ret)
+    return acquired or {1, 1, 0}
   end
   local r = decode(raw)
   if fp ~= '' and r.fp ~= '' and r.fp ~= fp then return {5, r.gen} end
   local takeover = 0
-  if r.st == COMPLETED then return {3, r.gen, r.pay} end
-  if r.st == IN_PROGRESS then
+  if r.st == 2 then return {3, r.gen, r.pay} end
+  if r.st == 1 then
     if r.lease > now then return {2, r.gen, r.lease - now} end
     takeover = 1
   else
@@ -116,16 +145,68 @@ local function acquire_key(key, token, lease, ret, fp, owner, now)
     if r.retry > now then return {2, r.gen, r.retry - now} end
   end
   local ttl = redis.call('PTTL', key)
-  r.st, r.perm, r.gen, r.tok, r.lease, r.owner, r.pay = IN_PROGRESS, false, r.gen + 1, token, now + lease, owner, ''
+  r.st, r.perm, r.gen, r.tok, r.lease, r.owner, r.pay = 1, false, r.gen + 1, token, now + lease, owner, ''
   redis.call('SET', key, encode(r), 'PX', math.max(ttl, ret))
   return {1, r.gen, takeover}
 end
 
 -- Complete of one key by its holder. Reply: 1 written, 0 lease lost (nothing written).
+-- Fast path, for an in_progress record as encode writes it (generation in its narrowest width of
+-- 1, 2 or 4 bytes, no payload section, a non-empty fingerprint if any), checked to its last byte
+-- without decoding it: the completed record is the same header with state 2 (plus the payload bit
+-- for a non-empty result), the same generation and token, no lease or owner, the same fingerprint
+-- section, then the result; byte for byte what decode + encode give. Any other value goes through
+-- decode, which refuses a damaged record (IDEMCORRUPT).
 local function complete_key(key, fence, token, result, ret)
-  local r = held(key, fence, token)
-  if not r then return 0 end
-  r.st, r.pay = COMPLETED, result
+  local s = redis.call('GET', key)
+  if not s then return 0 end
+  local n, g = #s, tonumber(fence)
+  local h, g1 = string.byte(s, 1, 2)
+  -- The header bits, by arithmetic (cheaper here than bit.band calls): v1 (h >= 128), state 1
+  -- (h % 4), no payload (32 clear), and not the 8-byte generation (8 and 64 both set).
+  if n >= 20 and h >= 128 and h % 4 == 1 and h % 64 < 32 and (h % 16 < 8 or h < 192) then
+    local gen, p
+    if h % 16 < 8 and h < 192 then -- 1-byte generation
+      gen, p = g1, 3
+    elseif h < 192 then -- 2 bytes (8 set); at least 256, else encode would have written 1 byte
+      local a, b = string.byte(s, 2, 3)
+      gen, p = a * 256 + b, 4
+      if gen < 256 then gen = nil end
+    else -- 4 bytes (64 set), at least 65536
+      local a, b, c, d = string.byte(s, 2, 5)
+      gen, p = ((a * 256 + b) * 256 + c) * 256 + d, 6
+      if gen < 65536 then gen = nil end
+    end
+    -- token at p, lease at p + 8, owner length at p + 16 and p + 17, owner from p + 18 to e - 1
+    if gen and gen >= 1 and p + 17 <= n then
+      local a, b = string.byte(s, p + 16, p + 17)
+      local e, ok = p + 18 + a * 256 + b
+      local fp = h % 32 >= 16
+      if not fp then
+        ok = e == n + 1
+      elseif e < n then
+        a, b = string.byte(s, e, e + 1)
+        ok = a + b > 0 and e + 2 + a * 256 + b == n + 1
+      end
+      if ok then
+        if gen ~= g or string.sub(s, p, p + 7) ~= token then return 0 end
+        -- completed: state 1 -> 2, and the payload bit (clear so far) for a non-empty result
+        local h2 = h + 1
+        if result ~= '' then h2 = h + 33 end
+        if p == 3 and not fp then -- the usual record: header, 1-byte generation, token (== `token`)
+          s = string.char(h2, gen) .. token
+        else
+          s = string.char(h2) .. string.sub(s, 2, p + 7) .. string.sub(s, e)
+        end
+        if result ~= '' then s = s .. struct.pack('>I4', #result) .. result end
+        redis.call('SET', key, s, 'PX', ret)
+        return 1
+      end
+    end
+  end
+  local r = decode(s)
+  if r.st ~= 1 or r.gen ~= g or r.tok ~= token then return 0 end
+  r.st, r.pay = 2, result
   redis.call('SET', key, encode(r), 'PX', ret)
   return 1
 end
