@@ -29,7 +29,8 @@ namespace {
 // with a typed error rather than by the server halfway through a transition.
 constexpr std::size_t max_pg_key_bytes = 2048;
 
-constexpr const char* kAcquire = "idem_acquire";
+constexpr const char* kAcquire = "idem_acquire";             // transactional-mode claim (begin)
+constexpr const char* kAcquireLease = "idem_acquire_lease";  // lease mode (acquire): $8 is always ''
 constexpr const char* kComplete = "idem_complete";
 constexpr const char* kFail = "idem_fail";
 constexpr const char* kExtend = "idem_extend";
@@ -138,6 +139,17 @@ AcquireResult decode_acquire(const PGresult* r, std::uint64_t token) {
   a.retry_after = millis{std::max<std::int64_t>(0, be_int(r, 0, 4, 8))};
   a.payload = bytes_of(r, 0, 5);
   if (a.status == AcquireStatus::acquired) a.holder = {as_u64(be_int(r, 0, 1, 8)), token};
+  return a;
+}
+
+// kAcquireLease answers a new key with no row at all (the INSERT took it) and any other decision
+// with the function's one row.
+AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token) {
+  if (PQntuples(r) != 0 || PQnfields(r) != 6) return decode_acquire(r, token);
+  AcquireResult a;
+  a.status = AcquireStatus::acquired;
+  a.attempts = 1;
+  a.holder = {1, token};
   return a;
 }
 
@@ -390,6 +402,26 @@ public:
                 fn + quote_ident(opt.table + "_acquire") +
                 "($1, $2, $3, $4, $5, $6, $7, $8, cfg.saved) f WHERE NOT EXISTS (SELECT 1 FROM ins)",
             8);
+    // acquire in lease mode ($8 = '' always; an implicit transaction of its own): the decisions
+    // of kAcquire with what only a claiming transaction needs left out, because the executor sets
+    // up every node of a statement on each call, run or not. Nothing to put back (kAcquire's fin
+    // is a no-op when $8 = '', and the function restores lock_timeout only when p_idle_timeout is
+    // not ''), and no row for a new key: zero rows means the INSERT took the key (fence 1, attempts
+    // 1; see decode_acquire_lease), since the function, when called, returns exactly one row or
+    // raises. The function is called from the target list of a one-row subquery (OFFSET 0 keeps it
+    // from being flattened, so it runs at most once), cheaper to set up than a function scan; the
+    // uncorrelated NOT EXISTS is a one-time filter, so it runs only when the INSERT found the key.
+    prepare(c, kAcquireLease,
+            "WITH cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, "
+            "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS ms), "
+            "ins AS (INSERT INTO " + qt +
+                " (key, state, fence, token, attempts, lease_until, expires_at, purge_after, owner, fingerprint) "
+                "SELECT $1, 1, 1, $5, 1, cfg.ms + $3, cfg.ms + $4, (cfg.ms + $4 + 999) / 1000 * 1000, $6, $2 "
+                "FROM cfg ON CONFLICT (key) DO NOTHING RETURNING 1 AS one) "
+                "SELECT (d).o_status, (d).o_fence, (d).o_takeover, (d).o_attempts, (d).o_retry_after, (d).o_payload "
+                "FROM (SELECT " + fn + quote_ident(opt.table + "_acquire") +
+                "($1, $2, $3, $4, $5, $6, $7, $8, NULL) AS d WHERE NOT EXISTS (SELECT 1 FROM ins) OFFSET 0) s",
+            8);
     prepare(c, kComplete,
             "UPDATE " + qt +
                 " t SET state = 2, result = $4, lease_until = 0, expires_at = c.ms + $5, "
@@ -587,13 +619,13 @@ AcquireResult PostgresStore::acquire(std::string_view key, const AcquireParams& 
   detail::check_key(key, detail::max_pg_key_bytes);
   PgStoreImpl::Lease l(impl_.get());
   Params p = impl_->acquire_params(key, ap, detail::clean_owner(ap.owner), false);
-  PgResult r(PQexecPrepared(l.c, detail::kAcquire, p.size(), p.values(), p.lengths(), p.formats(), 1));
+  PgResult r(PQexecPrepared(l.c, detail::kAcquireLease, p.size(), p.values(), p.lengths(), p.formats(), 1));
   if (!detail::result_ok(r.native())) {
     if (PgStoreImpl::is_lock_busy(r.native())) return PgStoreImpl::lock_busy(ap);
     l.healthy = PQstatus(l.c) == CONNECTION_OK;
     detail::throw_result("acquire", r.native(), l.c);
   }
-  return detail::decode_acquire(r.native(), ap.token);
+  return detail::decode_acquire_lease(r.native(), ap.token);
 }
 
 WriteStatus PostgresStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
