@@ -99,7 +99,10 @@ struct PostgresSequenceStore::Impl {
                   " (SELECT last_seq::text FROM " + qualified + " WHERE entity = decode($1::text, 'hex'))";
     sql_get = "SELECT last_seq::text FROM " + qualified + " WHERE entity = decode($1::text, 'hex')";
     sql_erase = "DELETE FROM " + qualified + " WHERE entity = decode($1::text, 'hex')";
-    sql_migrate = "BEGIN; SELECT pg_advisory_xact_lock(hashtext('idem_sequences_migrate')); "
+    // The lock PostgresStore's migration takes for the same schema: a store and a sequence store
+    // starting together on a fresh database would otherwise race on CREATE SCHEMA IF NOT EXISTS
+    // (which is not safe against itself) and one of them would fail with 23505.
+    sql_migrate = "BEGIN; SELECT pg_advisory_xact_lock(hashtext('idem:" + opt.schema + "')); "
                   "CREATE SCHEMA IF NOT EXISTS \"" + opt.schema + "\"; "
                   "CREATE TABLE IF NOT EXISTS " + qualified +
                   " (entity bytea PRIMARY KEY, last_seq numeric(20,0) NOT NULL"

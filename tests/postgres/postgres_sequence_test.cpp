@@ -195,6 +195,7 @@ struct TxFixture {
   pgtest::Raw raw;
 
   TxFixture() {
+    store.migrate();  // creates schema idem_test when this test runs first (ctest -R, -j)
     raw.exec("CREATE TABLE idem_test." + accounts + " (id text PRIMARY KEY, balance bigint NOT NULL)");
   }
   ~TxFixture() {
@@ -400,4 +401,37 @@ TEST_CASE("postgres sequence: a pooled connection ended by the server is dropped
   for (int i = 0; i < 100 && raw.scalar("SELECT count(*) " + mine) != "0"; ++i) std::this_thread::sleep_for(50ms);
   CHECK(s.advance(e, 2).advanced);
   CHECK(s.last_applied(e) == 2u);
+}
+
+TEST_CASE("postgres sequence: a store and a sequence store migrating a fresh schema together both succeed") {
+  pgtest::Raw raw;
+  for (int round = 0; round < 12; ++round) {
+    const std::string schema = "race_" + pgtest::random_hex(8);
+    idem::PostgresOptions so = pgtest::options();
+    so.schema = schema;
+    idem::PostgresStore store{so};
+    auto qo = seq_options();
+    qo.schema = schema;
+    PostgresSequenceStore seqs{qo};
+    std::atomic<int> ready{0};
+    std::exception_ptr e1, e2;
+    auto go = [&](auto&& f, std::exception_ptr& err) {
+      return std::thread([&, f]() mutable {
+        ready.fetch_add(1);
+        while (ready.load() < 2) std::this_thread::yield();
+        try {
+          f();
+        } catch (...) {
+          err = std::current_exception();
+        }
+      });
+    };
+    std::thread a = go([&] { store.migrate(); }, e1);
+    std::thread b = go([&] { seqs.migrate(); }, e2);
+    a.join();
+    b.join();
+    raw.exec("DROP SCHEMA " + schema + " CASCADE");
+    REQUIRE_NOTHROW(e1 ? std::rethrow_exception(e1) : void());
+    REQUIRE_NOTHROW(e2 ? std::rethrow_exception(e2) : void());
+  }
 }
