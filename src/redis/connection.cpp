@@ -69,11 +69,40 @@ Pool::~Pool() {
   for (redisContext* c : idle_) redisFree(c);
 }
 
-RedisOptions Pool::resolve_url(RedisOptions o) {
+namespace {
+
+void check_options(const RedisOptions& o) {
+  auto bad = [](const std::string& why) { throw invalid_options_error("idem: RedisOptions: " + why); };
+  if (o.unix_socket.empty()) {
+    if (o.host.empty()) bad("host is empty; set host (or unix_socket, or url)");
+    if (o.port < 1 || o.port > 65535) bad("port " + std::to_string(o.port) + " is not in 1..65535");
+  }
+  if (o.db < 0) bad("db " + std::to_string(o.db) + " is negative");
+  if (o.connect_timeout <= millis{0}) bad("connect_timeout must be positive, got " + ms(o.connect_timeout));
+  if (o.command_timeout <= millis{0}) bad("command_timeout must be positive, got " + ms(o.command_timeout));
+  if (o.pool_size == 0) bad("pool_size is 0; every call needs a connection, use at least 1");
+  if (o.pool_wait < millis{0}) bad("pool_wait is negative; use 0 to fail at once when the pool is busy");
+  if (!o.user.empty() && o.password.empty()) bad("user '" + printable(o.user) + "' is set without a password");
+  const auto open = o.key_prefix.find('{');
+  const auto close = o.key_prefix.find('}');
+  if (open != std::string::npos || close != std::string::npos) {
+    const bool one_tag = open != std::string::npos && close != std::string::npos && close > open + 1 &&
+                         o.key_prefix.find('{', open + 1) == std::string::npos &&
+                         o.key_prefix.find('}', close + 1) == std::string::npos;
+    if (!one_tag)
+      bad("key_prefix '" + printable(o.key_prefix) +
+          "' has stray braces; it may hold one whole {tag} (all keys in one cluster slot) or none");
+  }
+}
+
+}  // namespace
+
+RedisOptions Pool::resolve(RedisOptions o) {
   if (!o.url.empty()) {
     const std::string url = o.url;
     o = parse_redis_url(url, std::move(o));
   }
+  check_options(o);
   return o;
 }
 

@@ -109,8 +109,9 @@ public:
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
-  // The options with the URL (when set) parsed into them, as each store does first.
-  static RedisOptions resolve_url(RedisOptions o);
+  // The options with the URL (when set) parsed into them, checked (invalid_options_error naming
+  // the flaw): what each store does first.
+  static RedisOptions resolve(RedisOptions o);
 
   RedisOptions opt;
   std::string where;  // for messages: host:port or the socket path

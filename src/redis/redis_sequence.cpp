@@ -50,15 +50,17 @@ std::uint64_t parse_seq(std::string_view s, std::string_view entity) {
 }
 
 // advance_seq's reply (sequence.lua): code 1 advanced / 0 not, and the value it found.
+// `what()` names the call in an error message; it is built only when one is thrown.
+template <class What>
 AdvanceResult advance_result(std::int64_t code, std::string_view prev, std::string_view entity, std::uint64_t seq,
-                             const std::string& what) {
-  if (code != 0 && code != 1) throw store_error("idem: unexpected Redis reply to " + what, "", false);
+                             const What& what) {
+  if (code != 0 && code != 1) throw store_error("idem: unexpected Redis reply to " + what(), "", false);
   AdvanceResult out;
   out.advanced = code == 1;
   if (!prev.empty()) out.previous = parse_seq(prev, entity);
   // The script only writes when the value grows; a reply saying otherwise is a broken script.
   if (out.previous && out.advanced != (*out.previous < seq))
-    throw store_error("idem: inconsistent Redis reply to " + what, "", false);
+    throw store_error("idem: inconsistent Redis reply to " + what(), "", false);
   return out;
 }
 
@@ -74,24 +76,14 @@ struct RedisSequenceStore::Impl : detail::redis::Pool {
   Script complete{"complete_advance", detail::redis_lua::complete_advance,
                   sha1_hex(detail::redis_lua::complete_advance)};
 
-  explicit Impl(RedisOptions o) : Pool(checked(Pool::resolve_url(std::move(o))), sequence_hints) {}
-
-  static RedisOptions checked(RedisOptions o) {
-    auto bad = [](const std::string& why) { throw invalid_options_error("idem: RedisOptions: " + why); };
-    if (o.unix_socket.empty() && o.host.empty()) bad("host is empty; set host, unix_socket or url");
-    if (o.unix_socket.empty() && (o.port < 1 || o.port > 65535)) bad("port must be 1..65535");
-    if (o.db < 0) bad("db must be >= 0");
-    if (o.connect_timeout <= millis{0}) bad("connect_timeout must be > 0");
-    if (o.command_timeout <= millis{0}) bad("command_timeout must be > 0");
-    if (o.pool_size == 0) bad("pool_size must be > 0");
-    if (o.pool_wait < millis{0}) bad("pool_wait must be >= 0");
-    return o;
-  }
+  explicit Impl(RedisOptions o) : Pool(Pool::resolve(std::move(o)), sequence_hints) {}
 
   void load_script(redisContext* c, const Script& s) { Pool::load_script(c, s.source, s.sha, s.name, false); }
 
   // One request and its reply (`script`: the EVALSHA's script, else null); an error reply is mapped and thrown.
-  ReplyPtr call(std::string_view request, const std::string& what, const Script* script) {
+  // (`what()` is built only for an error message.)
+  template <class What>
+  ReplyPtr call(std::string_view request, const What& what, const Script* script) {
     ReplyPtr r = with_connection([&](redisContext* c) {
       send(c, request);
       ReplyPtr reply = read_reply(c, script ? "to EVALSHA" : "to the command");
@@ -103,7 +95,7 @@ struct RedisSequenceStore::Impl : detail::redis::Pool {
       }
       return reply;
     });
-    if (is_error(r.get())) throw_reply(reply_text(r.get()), what);
+    if (is_error(r.get())) throw_reply(reply_text(r.get()), what());
     return r;
   }
 
@@ -119,14 +111,14 @@ struct RedisSequenceStore::Impl : detail::redis::Pool {
 
   // GET and DEL of the entity's key: one plain command whose reply must be of `expected` type (or nil).
   ReplyPtr key_command(const char* cmd, std::string_view entity, int expected) {
-    const std::string what = std::string(cmd) + " of the sequence of entity '" + printable(entity) + "'";
+    auto what = [&] { return std::string(cmd) + " of the sequence of entity '" + printable(entity) + "'"; };
     Request req;
     req.command(2);
     req.arg(cmd);
     req.arg(key_of(entity));
     ReplyPtr r = call(req.view(), what, nullptr);
     if (r->type != expected && r->type != REDIS_REPLY_NIL)
-      throw store_error("idem: unexpected Redis reply to " + what, "", false);
+      throw store_error("idem: unexpected Redis reply to " + what(), "", false);
     return r;
   }
 };
@@ -160,7 +152,7 @@ std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view e
 AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t seq) {
   detail::check_entity(entity);
   Impl& im = impl();
-  const std::string what = "sequence_advance of entity '" + printable(entity) + "'";
+  auto what = [&] { return "sequence_advance of entity '" + printable(entity) + "'"; };
   Request req;
   req.command(5);
   req.arg("EVALSHA");
@@ -171,7 +163,7 @@ AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t
   ReplyPtr r = im.call(req.view(), what, &im.advance);
   if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_INTEGER ||
       r->element[1]->type != REDIS_REPLY_STRING)
-    throw store_error("idem: unexpected Redis reply to " + what, "", false);
+    throw store_error("idem: unexpected Redis reply to " + what(), "", false);
   return advance_result(r->element[0]->integer, reply_text(r->element[1]), entity, seq, what);
 }
 
@@ -190,7 +182,7 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
     throw usage_error("idem: RedisSequenceStore (" + im.where + " db " + std::to_string(im.opt.db) +
                       ") and the RedisStore it completes for point at different servers or databases; give both "
                       "the same url, host/port or unix_socket, and db");
-  const std::string what = "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'";
+  auto what = [&] { return "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'"; };
   Request req;
   req.command(10);
   req.arg("EVALSHA");
@@ -206,7 +198,7 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   ReplyPtr r = im.call(req.view(), what, &im.complete);
   if (r->type != REDIS_REPLY_ARRAY || r->elements != 3 || r->element[0]->type != REDIS_REPLY_INTEGER ||
       r->element[1]->type != REDIS_REPLY_INTEGER || r->element[2]->type != REDIS_REPLY_STRING)
-    throw store_error("idem: unexpected Redis reply to " + what, "", false);
+    throw store_error("idem: unexpected Redis reply to " + what(), "", false);
   CompleteAdvanceResult out;
   if (r->element[0]->integer != 1) return out;  // lease lost: the script wrote nothing
   out.status = WriteStatus::ok;
@@ -218,7 +210,7 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
     throw corrupt_record_error("idem: the result of key '" + printable(key) +
                                "' was recorded, but the Redis sequence of entity '" + printable(entity) + "' holds '" +
                                printable(prev) + "', not a decimal uint64, so it was not advanced; repair the key");
-  if (code == -2) im.throw_reply(prev, what + " (the result was recorded; the sequence key is not a string)");
+  if (code == -2) im.throw_reply(prev, what() + " (the result was recorded; the sequence key is not a string)");
   out.advance = advance_result(code, prev, entity, seq, what);
   return out;
 }

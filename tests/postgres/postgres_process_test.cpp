@@ -174,6 +174,20 @@ TEST_CASE("postgres: a consumer SIGKILLed mid-handler commits nothing, and redel
   raw.exec("DROP TABLE " + t);
 }
 
+namespace {
+// The end of both paused-holder cases: the holder wakes up after the taker's run, finds its claim
+// gone (lease_lost) and exits cleanly; the record keeps the taker's result.
+void resume_paused_holder(Child& c, idem::PostgresStore& s, const std::string& k) {
+  c.signal(SIGCONT);
+  c.write_line("go");
+  CHECK(c.read_line() == "lease_lost");
+  CHECK(c.wait() == 0);
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->result == "from-taker");
+}
+}  // namespace
+
 TEST_CASE("postgres: a SIGSTOPped lease holder gets lease_lost after a takeover", "[postgres][process]") {
   idem::PostgresStore s(pgtest::options());
   s.migrate();
@@ -189,13 +203,7 @@ TEST_CASE("postgres: a SIGSTOPped lease holder gets lease_lost after a takeover"
   });
   CHECK(out.status == idem::Status::executed);
   CHECK(out.fence == 2);
-  c.signal(SIGCONT);
-  c.write_line("go");
-  CHECK(c.read_line() == "lease_lost");
-  CHECK(c.wait() == 0);
-  auto rec = s.inspect(k);
-  REQUIRE(rec);
-  CHECK(rec->result == "from-taker");
+  resume_paused_holder(c, s, k);
 }
 
 TEST_CASE("postgres: a paused transactional holder loses its claim after one idle lease", "[postgres][process][tx]") {
@@ -212,13 +220,7 @@ TEST_CASE("postgres: a paused transactional holder loses its claim after one idl
   auto out = g.run(k, [](const auto&) { return std::string("from-taker"); });
   CHECK(out.status == idem::Status::executed);
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
-  c.signal(SIGCONT);
-  c.write_line("go");
-  CHECK(c.read_line() == "lease_lost");
-  CHECK(c.wait() == 0);
-  auto rec = s.inspect(k);
-  REQUIRE(rec);
-  CHECK(rec->result == "from-taker");
+  resume_paused_holder(c, s, k);
 }
 
 TEST_CASE("postgres: after a server restart the pool recovers", "[postgres][process][fault]") {

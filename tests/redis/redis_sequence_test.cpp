@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "contract/sequence_race.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis_sequence.hpp"
 #include "idem/redis_store.hpp"
@@ -172,33 +173,7 @@ TEST_CASE("redis sequence: an unreachable server is a connection_error") {
 
 TEST_CASE("redis sequence: 8 threads on shared entities end at the max, each advance once") {
   RedisSequenceStore s{opts()};
-  constexpr int threads = 8, entities = 4, per_entity = 60;
-  std::mutex mu;
-  std::vector<std::multiset<std::uint64_t>> won(entities);
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      std::mt19937_64 rng(static_cast<std::uint64_t>(t) * 7919u + 1u);
-      std::vector<std::pair<int, std::uint64_t>> work;
-      for (int e = 0; e < entities; ++e)
-        for (std::uint64_t q = 1; q <= per_entity; ++q) work.emplace_back(e, q);
-      std::shuffle(work.begin(), work.end(), rng);
-      for (auto [e, q] : work) {
-        const auto r = s.advance("ent-" + std::to_string(e), q);
-        if (r.advanced) {
-          std::lock_guard lk(mu);
-          won[static_cast<std::size_t>(e)].insert(q);
-        }
-      }
-    });
-  }
-  for (auto& th : pool) th.join();
-  for (int e = 0; e < entities; ++e) {
-    CHECK(s.last_applied("ent-" + std::to_string(e)) == std::uint64_t{per_entity});
-    const auto& w = won[static_cast<std::size_t>(e)];
-    CHECK(w.count(per_entity) == 1);                                   // the max won exactly once
-    CHECK(std::set<std::uint64_t>(w.begin(), w.end()).size() == w.size());  // each advance unique
-  }
+  idem::contract::advance_race(s, "ent-", 8, 4, 60);
 }
 
 TEST_CASE("redis sequence: SequenceGate over RedisStore answers stale and advances") {
