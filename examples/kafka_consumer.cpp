@@ -62,7 +62,7 @@ using SteadyClock = std::chrono::steady_clock;
 namespace {
 
 // Swap the store here: idem::IdempotencyGuard<idem::RedisStore> (shared by all consumer processes,
-// include "idem/redis_store.hpp", link idem::redis) or idem::PostgresStore in transactional mode
+// include "idem/redis.hpp", link idem::redis) or idem::PostgresStore in transactional mode
 // (the ledger write then goes through ctx.tx and commits with the completion).
 using Store = idem::MemoryStore;
 using Guard = idem::IdempotencyGuard<Store>;

@@ -43,8 +43,8 @@
 #include <vector>
 
 #include "idem/idem.hpp"
-#include "idem/postgres_sequence.hpp"
-#include "idem/postgres_store.hpp"
+#include "idem/postgres.hpp"
+#include "idem/postgres.hpp"
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;

@@ -87,7 +87,7 @@
 #include <vector>
 
 #include "idem/idem.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
 
 using namespace std::chrono_literals;
 using SteadyClock = std::chrono::steady_clock;

@@ -16,7 +16,7 @@
 #include <libpq-fe.h>
 
 #include "idem/idem.hpp"
-#include "idem/postgres_store.hpp"
+#include "idem/postgres.hpp"
 
 using namespace std::chrono_literals;
 

@@ -21,8 +21,8 @@
 #include <hiredis/hiredis.h>
 
 #include "idem/idem.hpp"
-#include "idem/redis_sequence.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
+#include "idem/redis.hpp"
 
 namespace {
 

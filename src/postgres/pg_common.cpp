@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 
 namespace idem::detail {
 

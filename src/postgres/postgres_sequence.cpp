@@ -3,7 +3,7 @@
 // Entities travel as hex text decoded to bytea on the server, so the same statement runs through
 // PostgresStore::transaction::exec (text parameters) and binary entity ids stay exact.
 
-#include "idem/postgres_sequence.hpp"
+#include "idem/postgres/sequence_store.hpp"
 
 #include <charconv>
 #include <condition_variable>
@@ -18,7 +18,7 @@
 #include <poll.h>
 
 #include "idem/detail/hex.hpp"
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 
 #include "pg_common.hpp"
 

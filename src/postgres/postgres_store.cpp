@@ -1,7 +1,7 @@
 // PostgresStore: connection pool, schema migration, the lease-mode transitions and the
 // transactional-mode claim/commit, with libpq errors mapped to idem's typed errors.
 
-#include "idem/postgres_store.hpp"
+#include "idem/postgres/store.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "idem/detail/validate.hpp"
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 
 #include "pg_common.hpp"
 

@@ -11,7 +11,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 
 namespace idem::detail::redis {
 

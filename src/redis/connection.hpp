@@ -18,7 +18,7 @@
 #include <sys/time.h>
 
 #include "idem/detail/hex.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis/store.hpp"
 
 namespace idem::detail::redis {
 

@@ -4,7 +4,7 @@
 // sequence_advance.lua per advance, or of complete_advance.lua for a RedisStore completion and
 // the advance together.
 
-#include "idem/redis_sequence.hpp"
+#include "idem/redis/sequence_store.hpp"
 
 #include <charconv>
 #include <string>
@@ -14,7 +14,7 @@
 #include <hiredis/hiredis.h>
 
 #include "idem/detail/validate.hpp"
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 #include "seq/idem_redis_scripts.hpp"
 
 #include "connection.hpp"

@@ -2,7 +2,7 @@
 // dead server never raises SIGPIPE in the host process), hiredis's reply reader — all in
 // connection.hpp, shared with RedisSequenceStore — and one EVALSHA per transition.
 
-#include "idem/redis_store.hpp"
+#include "idem/redis/store.hpp"
 
 #include <algorithm>
 #include <array>
@@ -17,7 +17,7 @@
 #include <hiredis/hiredis.h>
 
 #include "idem/detail/validate.hpp"
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 #include "idem_redis_scripts.hpp"
 
 #include "connection.hpp"

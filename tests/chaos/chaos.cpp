@@ -50,8 +50,8 @@
 #include <unistd.h>
 
 #include "idem/idem.hpp"
-#include "idem/postgres_store.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/postgres.hpp"
+#include "idem/redis.hpp"
 #include "redis_server.hpp"
 
 #ifndef IDEM_PG_CLUSTER_SCRIPT

@@ -16,8 +16,8 @@
 
 #include <libpq-fe.h>
 
-#include "idem/guard.hpp"
-#include "idem/postgres_store.hpp"
+#include "idem/guard/guard.hpp"
+#include "idem/postgres.hpp"
 
 namespace pgtest {
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "idem/idem.hpp"
-#include "idem/postgres_store.hpp"
+#include "idem/postgres.hpp"
 
 using namespace std::chrono_literals;
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "idem/idem.hpp"
-#include "idem/postgres_store.hpp"
+#include "idem/postgres.hpp"
 #include "pg_support.hpp"
 
 extern char** environ;

@@ -18,7 +18,7 @@
 
 #include "contract/sequence_race.hpp"
 #include "idem/idem.hpp"
-#include "idem/postgres_sequence.hpp"
+#include "idem/postgres.hpp"
 #include "pg_support.hpp"
 
 using namespace std::chrono_literals;

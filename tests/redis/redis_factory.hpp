@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "idem/detail/random.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
 #include "redis_server.hpp"
 
 namespace idem::test {

@@ -11,7 +11,7 @@
 #include <unistd.h>
 
 #include "idem/idem.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
 #include "redis_factory.hpp"
 
 using namespace std::chrono_literals;

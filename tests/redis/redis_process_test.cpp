@@ -15,8 +15,8 @@
 #include <unistd.h>
 
 #include "idem/idem.hpp"
-#include "idem/redis_sequence.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
+#include "idem/redis.hpp"
 #include "redis_factory.hpp"
 
 using namespace std::chrono_literals;

@@ -17,8 +17,8 @@
 
 #include "contract/sequence_race.hpp"
 #include "idem/idem.hpp"
-#include "idem/redis_sequence.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
+#include "idem/redis.hpp"
 #include "redis_factory.hpp"
 
 using namespace std::chrono_literals;

@@ -27,7 +27,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
 
 #ifndef IDEM_REDIS_SERVER
 #define IDEM_REDIS_SERVER "redis-server"

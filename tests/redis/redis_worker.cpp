@@ -20,8 +20,8 @@
 #include <vector>
 
 #include "idem/idem.hpp"
-#include "idem/redis_sequence.hpp"
-#include "idem/redis_store.hpp"
+#include "idem/redis.hpp"
+#include "idem/redis.hpp"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // SequenceGate and MemorySequenceStore: in-order, out-of-order, duplicate, equal, gaps, contiguous
 // mode, the concurrent "became stale while running" case, an 8-thread race, and bad input.
-#include "idem/sequence.hpp"
+#include "idem/sequence/gate.hpp"
 
 #include <algorithm>
 #include <atomic>

@@ -5,8 +5,8 @@
 #include <string>
 #include <string_view>
 
-#include "idem/error.hpp"
-#include "idem/record.hpp"
+#include "idem/core/error.hpp"
+#include "idem/core/record.hpp"
 
 namespace idem::detail {
 

@@ -12,12 +12,12 @@
 #include <unordered_map>
 #include <vector>
 
-#include "idem/clock.hpp"
+#include "idem/core/clock.hpp"
 #include "idem/detail/sharded_map.hpp"
 #include "idem/detail/validate.hpp"
-#include "idem/error.hpp"
-#include "idem/record.hpp"
-#include "idem/store.hpp"
+#include "idem/core/error.hpp"
+#include "idem/core/record.hpp"
+#include "idem/core/store.hpp"
 
 namespace idem {
 

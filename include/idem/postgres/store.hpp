@@ -14,8 +14,8 @@
 
 #include <libpq-fe.h>
 
-#include "idem/record.hpp"
-#include "idem/store.hpp"
+#include "idem/core/record.hpp"
+#include "idem/core/store.hpp"
 
 namespace idem {
 

@@ -10,9 +10,9 @@
 #include <string_view>
 #include <vector>
 
-#include "idem/observer.hpp"
-#include "idem/record.hpp"
-#include "idem/store.hpp"
+#include "idem/core/observer.hpp"
+#include "idem/core/record.hpp"
+#include "idem/core/store.hpp"
 
 namespace idem {
 

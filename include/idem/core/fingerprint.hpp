@@ -7,7 +7,7 @@
 #include <string_view>
 
 #include "idem/detail/hex.hpp"
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 
 namespace idem {
 

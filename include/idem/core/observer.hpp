@@ -8,7 +8,7 @@
 #include <exception>
 #include <string_view>
 
-#include "idem/outcome.hpp"
+#include "idem/core/outcome.hpp"
 
 namespace idem {
 

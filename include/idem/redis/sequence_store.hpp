@@ -9,8 +9,8 @@
 #include <string>
 #include <string_view>
 
-#include "idem/redis_store.hpp"
-#include "idem/sequence.hpp"
+#include "idem/redis/store.hpp"
+#include "idem/sequence/sequence_store.hpp"
 
 namespace idem {
 

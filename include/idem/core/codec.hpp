@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <typeinfo>
 
-#include "idem/error.hpp"
+#include "idem/core/error.hpp"
 
 namespace idem {
 

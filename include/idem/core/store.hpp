@@ -5,7 +5,7 @@
 #include <optional>
 #include <string_view>
 
-#include "idem/record.hpp"
+#include "idem/core/record.hpp"
 
 namespace idem {
 

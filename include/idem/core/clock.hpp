@@ -5,7 +5,7 @@
 #include <chrono>
 #include <cstdint>
 
-#include "idem/record.hpp"
+#include "idem/core/record.hpp"
 
 namespace idem {
 

@@ -8,9 +8,9 @@
 #include <string>
 
 #include "idem/detail/validate.hpp"
-#include "idem/error.hpp"
-#include "idem/observer.hpp"
-#include "idem/record.hpp"
+#include "idem/core/error.hpp"
+#include "idem/core/observer.hpp"
+#include "idem/core/record.hpp"
 
 namespace idem {
 

@@ -19,17 +19,17 @@
 
 #include <unistd.h>
 
-#include "idem/codec.hpp"
+#include "idem/core/codec.hpp"
 #include "idem/detail/lru_cache.hpp"
 #include "idem/detail/random.hpp"
 #include "idem/detail/validate.hpp"
-#include "idem/error.hpp"
-#include "idem/fingerprint.hpp"
-#include "idem/observer.hpp"
-#include "idem/options.hpp"
-#include "idem/outcome.hpp"
-#include "idem/record.hpp"
-#include "idem/store.hpp"
+#include "idem/core/error.hpp"
+#include "idem/core/fingerprint.hpp"
+#include "idem/core/observer.hpp"
+#include "idem/core/options.hpp"
+#include "idem/core/outcome.hpp"
+#include "idem/core/record.hpp"
+#include "idem/core/store.hpp"
 
 namespace idem {
 

@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <variant>
 
-#include "idem/record.hpp"
+#include "idem/core/record.hpp"
 
 namespace idem {
 

@@ -1,0 +1,122 @@
+#pragma once
+// Internal to the backends: the one connection pool every client (Redis, PostgreSQL) uses, so the
+// options mean the same everywhere (PoolOptions, documented in idem/core/pool_options.hpp).
+//
+// `Traits` adapts a connection type:
+//   using connection = ...;                        // move-only handle that closes itself (unique_ptr)
+//   connection connect();                          // open a new one, or throw an idem error
+//   bool alive(connection&) noexcept;              // may an idle connection be reused? (no blocking)
+//   bool reusable(connection&) noexcept;           // may a returned healthy one go back to the pool?
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "idem/core/error.hpp"
+#include "idem/core/pool_options.hpp"
+
+namespace idem::detail {
+
+/// Checks PoolOptions for `owner` ("RedisOptions", "PostgresOptions"); invalid_options_error names the field.
+inline void check_pool_options(const PoolOptions& o, const char* owner) {
+  if (o.size == 0)
+    throw invalid_options_error(std::string("idem: ") + owner + "::pool.size is 0; every call needs a connection, use at least 1");
+  if (o.wait < millis{0})
+    throw invalid_options_error(std::string("idem: ") + owner + "::pool.wait is negative; use 0 to fail at once when the pool is busy");
+}
+
+template <class Traits>
+class Pool {
+public:
+  using connection = typename Traits::connection;
+
+  /// `what` names the server in messages ("Redis at 127.0.0.1:6379", "PostgreSQL").
+  Pool(PoolOptions options, Traits traits, std::string what)
+      : options_(options), traits_(std::move(traits)), what_(std::move(what)) {}
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  /// An idle connection that is still alive, else a new one (up to size), else waits up to `wait`.
+  connection checkout() {
+    std::unique_lock lock(mu_);
+    const auto deadline = std::chrono::steady_clock::now() + options_.wait;
+    for (;;) {
+      if (!idle_.empty()) {
+        connection c = std::move(idle_.back());
+        idle_.pop_back();
+        lock.unlock();
+        if (traits_.alive(c)) return c;
+        c = connection{};  // closed by the server while idle: replace it, never send on it
+        lock.lock();
+        --open_;
+        continue;
+      }
+      if (open_ < options_.size) {
+        ++open_;
+        lock.unlock();
+        try {
+          return traits_.connect();
+        } catch (...) {
+          lock.lock();
+          --open_;
+          cv_.notify_one();
+          throw;
+        }
+      }
+      if (!cv_.wait_until(lock, deadline, [&] { return !idle_.empty() || open_ < options_.size; }))
+        throw timeout_error("idem: all " + std::to_string(options_.size) + " connections to " + what_ +
+                                " stayed busy for " + std::to_string(options_.wait.count()) +
+                                " ms; raise pool.size to match the calling threads (or pool.wait)",
+                            "POOL", true);
+    }
+  }
+
+  /// Returns a connection; an unhealthy one (or one Traits::reusable refuses) is closed.
+  void checkin(connection c, bool healthy) noexcept {
+    if (healthy) healthy = traits_.reusable(c);
+    if (!healthy) c = connection{};
+    {
+      std::lock_guard lock(mu_);
+      if (healthy)
+        idle_.push_back(std::move(c));
+      else
+        --open_;
+    }
+    cv_.notify_one();
+  }
+
+  /// A checked-out connection returned on destruction; healthy only once the caller says so.
+  class Lease {
+  public:
+    explicit Lease(Pool& p) : pool_(&p), c_(p.checkout()) {}
+    ~Lease() { pool_->checkin(std::move(c_), healthy_); }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    connection& get() noexcept { return c_; }
+    void healthy(bool h = true) noexcept { healthy_ = h; }
+
+  private:
+    Pool* pool_;
+    connection c_;
+    bool healthy_ = false;
+  };
+
+  [[nodiscard]] const PoolOptions& options() const noexcept { return options_; }
+  [[nodiscard]] Traits& traits() noexcept { return traits_; }
+  [[nodiscard]] const std::string& what() const noexcept { return what_; }
+
+private:
+  PoolOptions options_;
+  Traits traits_;
+  std::string what_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<connection> idle_;
+  std::size_t open_ = 0;
+};
+
+}  // namespace idem::detail
