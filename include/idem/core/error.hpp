@@ -7,6 +7,11 @@
 
 namespace idem {
 
+class error;
+namespace detail {
+inline void mark_from_handler(error& e) noexcept;
+}  // namespace detail
+
 /// Root of every exception idem throws; retryable() says whether trying again later can help.
 class error : public std::runtime_error {
 public:
@@ -14,10 +19,20 @@ public:
   error(const std::string& what, bool retryable) : std::runtime_error(what), retryable_(retryable) {}
   /// True when the same call may succeed later (store down, timeout); false for caller bugs.
   [[nodiscard]] bool retryable() const noexcept { return retryable_; }
+  /// True when the guard's handler threw this error itself (say a store_error from ctx.tx->exec):
+  /// it is the handler's error, the guard's own store calls did not fail.
+  [[nodiscard]] bool from_handler() const noexcept { return from_handler_; }
 
 private:
+  friend void detail::mark_from_handler(error& e) noexcept;
   bool retryable_;
+  bool from_handler_ = false;
 };
+
+namespace detail {
+/// The guard marks an idem error its handler threw before rethrowing that same object.
+inline void mark_from_handler(error& e) noexcept { e.from_handler_ = true; }
+}  // namespace detail
 
 /// Caller mistake (bad key, bad option, bad URL, unsafe identifier): fix the call, do not retry.
 class usage_error : public error {

@@ -23,7 +23,7 @@ struct OutcomeEvent {
 };
 
 /// Hooks called by the guard; override what you need. Calls come from the running thread (and the
-/// heartbeat thread for on_lease_lost), must not throw, and must be thread-safe.
+/// lease keeper thread for on_lease_lost), must not throw, and must be thread-safe.
 class Observer {
 public:
   virtual ~Observer() = default;
@@ -31,7 +31,7 @@ public:
   virtual void on_outcome(const OutcomeEvent&) noexcept {}
   /// A store call failed; the guard rethrows after this (the handler did not run, or ran unrecorded).
   virtual void on_store_error(std::string_view /*key*/, const std::exception&) noexcept {}
-  /// The heartbeat found the lease taken over; the handler's stop token fires.
+  /// The lease keeper found the lease taken over (or unreachable for a whole lease); the stop token fires.
   virtual void on_lease_lost(std::string_view /*key*/, std::uint64_t /*fence*/) noexcept {}
   /// The handler threw; the failure policy was applied before the rethrow.
   virtual void on_handler_error(std::string_view /*key*/, const std::exception_ptr&) noexcept {}

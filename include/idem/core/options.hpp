@@ -39,7 +39,8 @@ struct GuardOptions {
   millis retention{std::chrono::hours{24}};
   /// What a handler exception does to the key.
   FailurePolicy failure{};
-  /// Extend the lease every lease/3 while the handler runs; fire the stop token if it is lost.
+  /// Extend the lease every lease/3 while the handler runs, from one lease keeper thread per guard;
+  /// fire the handler's stop token if the lease is lost.
   bool heartbeat = false;
   /// Poll an in-flight key with backoff for up to this long before answering in_flight (0 = answer at once).
   millis wait_for_in_flight{0};

@@ -4,6 +4,7 @@
 #include <concepts>
 #include <optional>
 #include <string_view>
+#include <type_traits>
 
 #include "idem/core/record.hpp"
 
@@ -32,11 +33,33 @@ concept StateStore = requires(S& s, std::string_view key, const AcquireParams& a
   { s.inspect(key) } -> std::same_as<std::optional<Record>>;
 };
 
+namespace detail {
+template <class S>
+struct transaction_of {
+  using type = void;
+};
+template <class S>
+  requires requires { typename S::Transaction; }
+struct transaction_of<S> {
+  using type = typename S::Transaction;
+};
+// Until every backend spells it `Transaction`.
+template <class S>
+  requires(!requires { typename S::Transaction; } && requires { typename S::transaction; })
+struct transaction_of<S> {
+  using type = typename S::transaction;
+};
+}  // namespace detail
+
+/// The transaction type of a TransactionalStore (`S::Transaction`), or void for other stores.
+template <class S>
+using transaction_t = typename detail::transaction_of<S>::type;
+
 /**
  * A store whose acquire opens a transaction that the handler joins (PostgreSQL transactional
  * mode): the claim, the handler's own writes and the completion commit together or not at all.
  *
- * `s.begin(key, params)` returns a move-only `S::transaction`; `tx.decision()` is the acquire
+ * `s.begin(key, params)` returns a move-only `S::Transaction`; `tx.decision()` is the acquire
  * decision; when it is acquired, the guard runs the handler with `&tx` in the context and then
  * calls exactly one of `tx.commit(result, retention)` (records completed and commits; throws
  * outcome_unknown_error if the commit's fate is unknown) or `tx.fail(params)` (rolls back; under
@@ -45,9 +68,10 @@ concept StateStore = requires(S& s, std::string_view key, const AcquireParams& a
  */
 template <class S>
 concept TransactionalStore =
-    requires(S& s, std::string_view key, const AcquireParams& ap, typename S::transaction& tx,
-             std::string_view result, const FailParams& fp, millis d) {
-      { s.begin(key, ap) } -> std::same_as<typename S::transaction>;
+    !std::is_void_v<transaction_t<S>> &&
+    requires(S& s, std::string_view key, const AcquireParams& ap, transaction_t<S>& tx, std::string_view result,
+             const FailParams& fp, millis d) {
+      { s.begin(key, ap) } -> std::same_as<transaction_t<S>>;
       { tx.decision() } -> std::convertible_to<const AcquireResult&>;
       { tx.commit(result, d) } -> std::same_as<WriteStatus>;
       { tx.fail(fp) } -> std::same_as<WriteStatus>;

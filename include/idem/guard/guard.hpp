@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -23,6 +22,9 @@
 #include "idem/detail/lru_cache.hpp"
 #include "idem/detail/random.hpp"
 #include "idem/detail/validate.hpp"
+#include "idem/guard/context.hpp"
+#include "idem/guard/failure.hpp"
+#include "idem/guard/lease_keeper.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/fingerprint.hpp"
 #include "idem/core/observer.hpp"
@@ -32,44 +34,6 @@
 #include "idem/core/store.hpp"
 
 namespace idem {
-
-namespace detail {
-template <class S, class = void>
-struct tx_of {
-  using type = void;
-};
-template <class S>
-struct tx_of<S, std::void_t<typename S::transaction>> {
-  using type = typename S::transaction;
-};
-
-/// Thrown by a sequencing wrapper's handler (run_sequenced) when, inside the run, the event turns
-/// out older than its entity: the guard releases the key (rolls the transaction back) without
-/// counting a failure and answers Status::stale. Not a std::exception: a handler's
-/// `catch (const std::exception&)` must not swallow it.
-struct stale_signal {};
-}  // namespace detail
-
-/// What a handler may learn about its run; take `const idem::Context&` as the handler's only
-/// parameter (or none at all). Works with every store.
-struct Context {
-  std::string_view key;        ///< the idempotency key
-  std::uint64_t fence = 0;     ///< fencing token: grows on every acquire of this key; pass it downstream
-  std::uint32_t attempt = 0;   ///< times the key has been acquired, this run included
-  bool takeover = false;       ///< this run took over a holder whose lease lapsed
-  std::stop_token stop;        ///< fires when the heartbeat finds the lease lost: stop and return
-};
-
-/// The context on a store with a transactional mode (PostgresStore): a Context plus the open
-/// transaction to write through (null in lease mode). A handler may take either type.
-template <class Tx = void>
-struct BasicContext : Context {
-  Tx* tx = nullptr;  ///< transactional mode: the open transaction; lease mode: null
-};
-
-/// Stores without transactions hand out the plain Context.
-template <>
-struct BasicContext<void> : Context {};
 
 /**
  * Wraps a message handler so that its effect happens once per idempotency key, on a StateStore.
@@ -89,8 +53,7 @@ template <StateStore Store>
 class IdempotencyGuard {
 public:
   /// The context type handlers of this guard receive.
-  using context_type = std::conditional_t<std::is_void_v<typename detail::tx_of<Store>::type>, Context,
-                                          BasicContext<typename detail::tx_of<Store>::type>>;
+  using context_type = context_t<Store>;
 
   /// Binds to `store` (not owned); throws invalid_options_error when the options cannot work.
   explicit IdempotencyGuard(Store& store, GuardOptions options = {})
@@ -99,6 +62,8 @@ public:
     if (options_.owner.empty()) options_.owner = default_owner();
     if (options_.cache_capacity > 0)
       cache_ = std::make_unique<detail::LruCache>(options_.cache_capacity, options_.retention);
+    if (options_.heartbeat)
+      keeper_ = std::make_unique<detail::LeaseKeeper<Store>>(store, options_.lease, options_.observer);
   }
 
   /// Runs `handler` unless `key` was already handled (or is being handled); see Outcome.
@@ -151,11 +116,10 @@ private:
     Outcome<R> out;
     try {
       out = decide<R>(key, fp, handler, complete);
-    } catch (const store_error& e) {
-      if (options_.observer) options_.observer->on_store_error(key, e);
-      throw;
-    } catch (const corrupt_record_error& e) {
-      if (options_.observer) options_.observer->on_store_error(key, e);
+    } catch (const error& e) {
+      // The handler's own idem errors were reported as handler errors already.
+      const bool store_failed = dynamic_cast<const store_error*>(&e) || dynamic_cast<const corrupt_record_error*>(&e);
+      if (options_.observer && store_failed && !e.from_handler()) options_.observer->on_store_error(key, e);
       throw;
     }
     if (options_.observer) {
@@ -174,7 +138,7 @@ private:
           out.status = Status::mismatch;
         } else {
           out.status = Status::duplicate;
-          out.value = decode<R>(key, hit->result);
+          out.value = detail::decode_result<R>(key, hit->result);
           out.from_cache = true;
         }
         return out;
@@ -200,16 +164,16 @@ private:
     begin_run(ctx, out, key, ar, stop);
     std::string encoded;
     {
-      Heartbeat hb(*this, key, holder, stop);
+      typename detail::LeaseKeeper<Store>::Registration kept(keeper_.get(), key, holder, stop);
       try {
         encoded = run_handler<R>(handler, ctx, out);
       } catch (const detail::stale_signal&) {
-        hb.stop();
-        store_->fail(key, holder, stale_release());
+        kept.end();
+        store_->fail(key, holder, detail::stale_release(options_.retention));
         out.status = Status::stale;
         return out;
       } catch (...) {
-        hb.stop();
+        kept.end();
         record_failure(key, ar.attempts, std::current_exception(),
                        [&](const FailParams& f) { store_->fail(key, holder, f); });
         throw;
@@ -246,7 +210,7 @@ private:
       try {
         encoded = run_handler<R>(handler, ctx, out);
       } catch (const detail::stale_signal&) {
-        tx.fail(stale_release());  // rolls back the claim and whatever the handler wrote
+        tx.fail(detail::stale_release(options_.retention));  // rolls back the claim and whatever the handler wrote
         out.status = Status::stale;
         return out;
       } catch (...) {
@@ -277,7 +241,7 @@ private:
       return {};
     } else {
       out.value.emplace(invoke(handler, ctx));
-      return encode<R>(*out.value);
+      return detail::encode_result<R>(*out.value);
     }
   }
 
@@ -328,7 +292,7 @@ private:
     switch (ar.status) {
       case AcquireStatus::duplicate:
         out.status = Status::duplicate;
-        out.value = decode<R>(key, ar.payload);
+        out.value = detail::decode_result<R>(key, ar.payload);
         if (cache_) cache_->put(key, fp, ar.payload);
         break;
       case AcquireStatus::previously_failed:
@@ -347,79 +311,15 @@ private:
 
   template <class F>
   decltype(auto) invoke(F& handler, const context_type& ctx) {
-    if constexpr (takes_context<F>)
-      return std::invoke(handler, ctx);
-    else
-      return std::invoke(handler);
-  }
-
-  template <class R>
-  static std::string encode(const R& v) {
     try {
-      return std::string(codec<R>::encode(v));
-    } catch (const codec_error&) {
+      if constexpr (takes_context<F>)
+        return std::invoke(handler, ctx);
+      else
+        return std::invoke(handler);
+    } catch (error& e) {
+      detail::mark_from_handler(e);  // the same object is rethrown: the caller can tell it was the handler's
       throw;
-    } catch (const std::exception& e) {
-      throw codec_error(std::string("idem: codec<T>::encode threw: ") + e.what() +
-                        "; fix the codec, the result was not recorded");
-    } catch (...) {
-      throw codec_error("idem: codec<T>::encode threw a non-std exception; the result was not recorded");
     }
-  }
-
-  // A stored value that cannot be read must never pass for a duplicate: it is reported as a
-  // corrupt record so the consumer stops instead of acking a message whose result is unknown.
-  template <class R>
-  static std::optional<typename Outcome<R>::value_type> decode(std::string_view key, std::string_view stored) {
-    if constexpr (std::is_void_v<R>) {
-      return std::monostate{};
-    } else {
-      try {
-        return codec<R>::decode(stored);
-      } catch (const std::exception& e) {
-        throw corrupt_record_error("idem: the stored result of key '" + std::string(key.substr(0, 64)) +
-                                   "' cannot be decoded (" + e.what() +
-                                   "); the record was written by another type or is damaged");
-      } catch (...) {
-        throw corrupt_record_error("idem: the stored result of key '" + std::string(key.substr(0, 64)) +
-                                   "' cannot be decoded");
-      }
-    }
-  }
-
-  static std::string describe(const std::exception_ptr& ep) {
-    try {
-      std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      return e.what();
-    } catch (...) {
-      return "non-std exception";
-    }
-  }
-
-  FailParams stale_release() const {
-    FailParams f;
-    f.error = "stale: a newer event of the entity was applied first";
-    f.release = true;
-    f.retention = options_.retention;
-    return f;
-  }
-
-  FailParams fail_params(std::uint32_t attempts, const std::string& text) const {
-    const FailurePolicy& p = options_.failure;
-    FailParams f;
-    f.error = text;
-    f.retention = options_.retention;
-    if (p.mode == FailureMode::release) {
-      f.release = true;
-      return f;
-    }
-    f.permanent = attempts >= p.max_attempts;
-    // backoff doubles per attempt: backoff, 2*backoff, 4*backoff ... capped at max_backoff.
-    std::int64_t b = p.backoff.count();
-    for (std::uint32_t i = 1; i < attempts && b < p.max_backoff.count(); ++i) b *= 2;
-    f.backoff = millis{std::min<std::int64_t>(b, p.max_backoff.count())};
-    return f;
   }
 
   // The handler's exception wins: a failure that cannot be recorded leaves the key in_progress
@@ -429,60 +329,11 @@ private:
   void record_failure(std::string_view key, std::uint32_t attempts, const std::exception_ptr& ep, Write&& write) {
     if (options_.observer) options_.observer->on_handler_error(key, ep);
     try {
-      write(fail_params(attempts, describe(ep)));
+      write(detail::failure_params(options_.failure, options_.retention, attempts, detail::describe(ep)));
     } catch (const std::exception& e) {
       if (options_.observer) options_.observer->on_store_error(key, e);
     }
   }
-
-  // Extends the lease every lease/3 on its own thread while the handler runs; fires the stop token
-  // when the store says the lease is lost, or when no extension succeeded for a whole lease
-  // (the store is unreachable, so another holder may already have taken over).
-  class Heartbeat {
-  public:
-    Heartbeat(IdempotencyGuard& g, std::string_view key, const Holder& h, std::stop_source& stop) {
-      if (!g.options_.heartbeat) return;
-      thread_ = std::jthread([&g, key, h, &stop, this](std::stop_token self) {
-        const millis period = g.options_.lease / 3;
-        auto last_ok = std::chrono::steady_clock::now();
-        std::unique_lock lock(mu_);
-        for (;;) {
-          if (cv_.wait_for(lock, self, period, [] { return false; }), self.stop_requested()) return;
-          lock.unlock();
-          bool lost = false;
-          try {
-            if (g.store_->extend(key, h, g.options_.lease) == WriteStatus::ok)
-              last_ok = std::chrono::steady_clock::now();
-            else
-              lost = true;
-          } catch (const std::exception& e) {
-            if (g.options_.observer) g.options_.observer->on_store_error(key, e);
-            lost = std::chrono::steady_clock::now() - last_ok >= g.options_.lease;
-          }
-          if (lost) {
-            if (g.options_.observer) g.options_.observer->on_lease_lost(key, h.fence);
-            stop.request_stop();
-            return;
-          }
-          lock.lock();
-        }
-      });
-    }
-    Heartbeat(const Heartbeat&) = delete;
-    Heartbeat& operator=(const Heartbeat&) = delete;
-    ~Heartbeat() { stop(); }
-    void stop() {
-      if (thread_.joinable()) {
-        thread_.request_stop();
-        thread_.join();
-      }
-    }
-
-  private:
-    std::mutex mu_;
-    std::condition_variable_any cv_;
-    std::jthread thread_;
-  };
 
   static std::string default_owner() {
     char host[256] = {};
@@ -493,6 +344,7 @@ private:
   Store* store_;
   GuardOptions options_;
   std::unique_ptr<detail::LruCache> cache_;
+  std::unique_ptr<detail::LeaseKeeper<Store>> keeper_;  // heartbeat only
 };
 
 }  // namespace idem

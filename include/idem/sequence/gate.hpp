@@ -12,6 +12,7 @@
 #include "idem/core/observer.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/store.hpp"
+#include "idem/detail/hex.hpp"
 #include "idem/guard/guard.hpp"
 #include "idem/sequence/sequence_store.hpp"
 
@@ -20,17 +21,26 @@ namespace idem {
 /**
  * Applies events in entity order on top of an IdempotencyGuard: an event whose sequence is not
  * newer than its entity's last applied one is skipped as Status::stale (handler not run, ack it);
- * otherwise it runs through the guard, and the sequence advances (compare-and-set) when the guard
- * reports executed — or duplicate, which repairs a crash between the completion and the advance.
- * When the sequence store CompletesWithAdvance on the guard's store (Redis), a lease-mode run
- * completes and advances in one atomic step instead, so there is no such crash window.
+ * otherwise it runs through the guard and the sequence advances (compare-and-set). How the advance
+ * joins the run depends on the stores, with one gate for all of them:
+ *
+ * - the sequence store CompletesWithAdvance on the guard's store (Redis): a lease-mode run
+ *   completes and advances in one atomic step, so no crash can separate the two;
+ * - the sequence store AdvancesInTransaction and the guard's store is in transactional mode
+ *   (PostgreSQL): the advance runs first inside the claiming transaction and commits with the
+ *   handler's writes; an advance that loses (a newer event committed meanwhile) rolls back and
+ *   answers stale without running the handler;
+ * - otherwise: the advance follows a run that reports executed — or duplicate, which repairs a
+ *   crash between the completion and the advance.
+ *
  * Thread-safe when the sequence store is; share one gate between workers. The store must outlive it.
  *
- * Concurrent events of one entity: the check before the handler and the advance after it are two
- * atomic steps, so two newer events can run at once. The one that finishes last with the lower
- * sequence still reports executed (its result is recorded under its key) with `advanced == false`,
- * and the sequence keeps the higher value: it never goes backwards. When an effect must never be
- * applied after a newer one, make it conditional on the sequence itself (docs/ordering.md).
+ * Concurrent events of one entity (lease mode): the check before the handler and the advance after
+ * it are two atomic steps, so two newer events can run at once. The one that finishes last with
+ * the lower sequence still reports executed (its result is recorded under its key) with
+ * `advanced == false`, and the sequence keeps the higher value: it never goes backwards. When an
+ * effect must never be applied after a newer one, make it conditional on the sequence itself, or
+ * use the in-transaction advance (docs/ordering.md).
  *
  * @code
  * idem::MemoryStore store;
@@ -58,8 +68,12 @@ public:
   /// and the handler's exceptions unchanged (the sequence is not advanced).
   template <StateStore Store, class F>
   auto run(IdempotencyGuard<Store>& guard, const SequencedEvent& ev, F&& handler) {
-    using Base = decltype(guard.run(ev.key, handler));
-    using R = typename outcome_traits<Base>::type;
+    using Ctx = typename IdempotencyGuard<Store>::context_type;
+    constexpr bool takes_ctx = std::is_invocable_v<F&, const Ctx&>;
+    static_assert(takes_ctx || std::is_invocable_v<F&>,
+                  "idem: the handler must be callable with () or with (const idem::Context&)");
+    using Inv = std::conditional_t<takes_ctx, std::invoke_result<F&, const Ctx&>, std::invoke_result<F&>>;
+    using R = std::decay_t<typename Inv::type>;
     SequencedOutcome<R> out;
     detail::check_entity(ev.entity, options_.max_entity_bytes);
     detail::check_key(ev.key, guard.options().max_key_bytes);
@@ -67,28 +81,16 @@ public:
 
     const std::optional<std::uint64_t> last = store_->last_applied(ev.entity);
     out.last_applied = last;
-    if (last && ev.seq <= *last) {
-      out.status = Status::stale;
-      report(guard, ev.key, Status::stale, started);
+    if (const auto early = precheck(last, ev.seq)) {
+      out.status = *early;
+      out.gap = *early == Status::in_flight;
+      if (out.gap) out.retry_after = options_.gap_retry_after;
+      report(guard, ev.key, *early, started);
       return out;
     }
-    if (options_.contiguous) {
-      const std::uint64_t want = last ? *last + 1 : options_.first;
-      if (ev.seq != want) {
-        // Below `first` with nothing applied yet is a bad event, not a gap: it can never run.
-        if (!last && ev.seq < options_.first) {
-          out.status = Status::stale;
-          report(guard, ev.key, Status::stale, started);
-          return out;
-        }
-        out.status = Status::in_flight;
-        out.gap = true;
-        out.retry_after = options_.gap_retry_after;
-        report(guard, ev.key, Status::in_flight, started);
-        return out;
-      }
+    if constexpr (AdvancesInTransaction<Seq, Store>) {
+      if (guard.store().transactional()) return run_in_transaction<R>(guard, ev, last, handler);
     }
-
     std::optional<AdvanceResult> combined;  // set when the completion advanced in the same step
     if constexpr (CompletesWithAdvance<Seq, Store>) {
       auto complete = [&](const Holder& h, std::string_view encoded, millis retention) {
@@ -99,17 +101,14 @@ public:
       };
       out = SequencedOutcome<R>(guard.run_with_completion(ev.key, ev.payload, handler, complete));
     } else {
-      out = SequencedOutcome<R>(ev.payload.empty() ? guard.run(ev.key, handler)
-                                                   : guard.run(ev.key, ev.payload, handler));
+      out = SequencedOutcome<R>(guard.run_with_completion(ev.key, ev.payload, handler, nullptr));
     }
     out.last_applied = last;
+    if (!combined && (out.status == Status::executed || out.status == Status::duplicate))
+      combined = store_->advance(ev.entity, ev.seq);
     if (combined) {
       out.advanced = combined->advanced;
       out.last_applied = combined->advanced ? std::optional<std::uint64_t>(ev.seq) : combined->previous;
-    } else if (out.status == Status::executed || out.status == Status::duplicate) {
-      const AdvanceResult a = store_->advance(ev.entity, ev.seq);
-      out.advanced = a.advanced;
-      out.last_applied = a.advanced ? std::optional<std::uint64_t>(ev.seq) : a.previous;
     }
     return out;
   }
@@ -133,12 +132,51 @@ public:
   [[nodiscard]] Seq& store() const noexcept { return *store_; }
 
 private:
-  template <class O>
-  struct outcome_traits;
-  template <class T>
-  struct outcome_traits<Outcome<T>> {
-    using type = T;
-  };
+  // The decision taken before any claim: stale (not newer than the entity, or below `first` with
+  // nothing applied), in_flight for a contiguous event whose predecessor is missing, or none.
+  // Sequences never go down, so an event that is next here is next or stale later too.
+  std::optional<Status> precheck(const std::optional<std::uint64_t>& last, std::uint64_t seq) const {
+    if (last && seq <= *last) return Status::stale;
+    if (!options_.contiguous) return std::nullopt;
+    const std::uint64_t want = last ? *last + 1 : options_.first;
+    if (seq == want) return std::nullopt;
+    if (!last && seq < options_.first) return Status::stale;  // a bad event, not a gap: it can never run
+    return Status::in_flight;
+  }
+
+  // The advance runs first inside the claiming transaction: it commits with the handler's writes,
+  // or a lost advance rolls the claim back (stale_signal) before the handler runs.
+  template <class R, class Store, class F>
+  SequencedOutcome<R> run_in_transaction(IdempotencyGuard<Store>& guard, const SequencedEvent& ev,
+                                         const std::optional<std::uint64_t>& last, F& handler) {
+    using Ctx = typename IdempotencyGuard<Store>::context_type;
+    std::optional<std::uint64_t> stale_at;
+    auto inner = [&](const Ctx& ctx) -> R {
+      const AdvanceResult a = store_->advance(*ctx.tx, ev.entity, ev.seq);
+      if (!a.advanced) {
+        stale_at = a.previous;
+        throw detail::stale_signal{};
+      }
+      // Only an erase() racing this event can open a gap after the precheck: roll back, retry.
+      if (options_.contiguous && a.previous != last)
+        throw store_error("idem: the sequence of entity '" + detail::printable(ev.entity) +
+                              "' changed under a contiguous event (erased meanwhile?); retry it",
+                          "", true);
+      if constexpr (std::is_invocable_v<F&, const Ctx&>)
+        return handler(ctx);
+      else
+        return handler();
+    };
+    SequencedOutcome<R> out(guard.run_with_completion(ev.key, ev.payload, inner, nullptr));
+    out.last_applied = last;
+    if (out.status == Status::stale) {
+      out.last_applied = stale_at;
+    } else if (out.status == Status::executed) {
+      out.advanced = true;
+      out.last_applied = ev.seq;
+    }
+    return out;
+  }
 
   // Outcomes decided by the gate itself reach the guard's observer too, so one CountingObserver
   // sees every delivery (the guard reports the ones it decides).

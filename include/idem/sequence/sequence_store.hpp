@@ -15,6 +15,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
+#include "idem/core/store.hpp"
 
 namespace idem {
 
@@ -67,6 +68,17 @@ concept CompletesWithAdvance = requires(Seq& q, Store& s, std::string_view key, 
                                         std::string_view result, millis retention, std::uint64_t seq) {
   { q.complete_advance(s, key, h, result, retention, key, seq) } -> std::same_as<CompleteAdvanceResult>;
 };
+
+/// A sequence store that can advance inside the open transaction of a TransactionalStore
+/// (PostgresSequenceStore with a transactional-mode PostgresStore): the advance commits or rolls
+/// back with the handler's writes. SequenceGate uses it whenever `store.transactional()` is true.
+template <class Seq, class Store>
+concept AdvancesInTransaction =
+    TransactionalStore<Store> && requires(Seq& q, const Store& s, transaction_t<Store>& tx, std::string_view entity,
+                                          std::uint64_t seq) {
+      { s.transactional() } -> std::convertible_to<bool>;
+      { q.advance(tx, entity, seq) } -> std::same_as<AdvanceResult>;
+    };
 
 namespace detail {
 /// Default limit on entity id length in bytes (SequenceGateOptions::max_entity_bytes overrides it).
