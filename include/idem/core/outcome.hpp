@@ -1,6 +1,8 @@
 #pragma once
 /// @file outcome.hpp What IdempotencyGuard::run decided, and which broker action follows.
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -43,26 +45,15 @@ constexpr BrokerAction broker_action(Status s) noexcept {
 
 /// Name of a status for logs and metrics.
 constexpr std::string_view to_string(Status s) noexcept {
-  switch (s) {
-    case Status::executed: return "executed";
-    case Status::duplicate: return "duplicate";
-    case Status::in_flight: return "in_flight";
-    case Status::previously_failed: return "previously_failed";
-    case Status::stale: return "stale";
-    case Status::lease_lost: return "lease_lost";
-    case Status::mismatch: return "mismatch";
-  }
-  return "unknown";
+  constexpr std::array<std::string_view, 7> names{"executed", "duplicate",  "in_flight", "previously_failed",
+                                                  "stale",    "lease_lost", "mismatch"};
+  return detail::name_at(names, static_cast<std::size_t>(s));
 }
 
 /// Name of a broker action for logs.
 constexpr std::string_view to_string(BrokerAction a) noexcept {
-  switch (a) {
-    case BrokerAction::ack: return "ack";
-    case BrokerAction::requeue: return "requeue";
-    case BrokerAction::dead_letter: return "dead_letter";
-  }
-  return "unknown";
+  constexpr std::array<std::string_view, 3> names{"ack", "requeue", "dead_letter"};
+  return detail::name_at(names, static_cast<std::size_t>(a));
 }
 
 /// The result of IdempotencyGuard::run; T is the handler's return type (void allowed).

@@ -1,7 +1,9 @@
 #pragma once
 /// @file record.hpp The record every store keeps per key, and the inputs/outputs of its transitions.
 
+#include <array>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -82,26 +84,25 @@ struct Record {
   std::string error;                 ///< failed: error text
 };
 
+namespace detail {
+/// names[i], or "unknown" for a value outside the table (a damaged byte, a newer library's enum).
+template <std::size_t N>
+constexpr std::string_view name_at(const std::array<std::string_view, N>& names, std::size_t i) noexcept {
+  return i < N ? names[i] : std::string_view("unknown");
+}
+}  // namespace detail
+
 /// Name of a state for messages and logs.
 constexpr std::string_view to_string(State s) noexcept {
-  switch (s) {
-    case State::in_progress: return "in_progress";
-    case State::completed: return "completed";
-    case State::failed: return "failed";
-  }
-  return "unknown";
+  constexpr std::array<std::string_view, 4> names{"unknown", "in_progress", "completed", "failed"};
+  return detail::name_at(names, static_cast<std::size_t>(s));
 }
 
 /// Name of an acquire status for messages and logs.
 constexpr std::string_view to_string(AcquireStatus s) noexcept {
-  switch (s) {
-    case AcquireStatus::acquired: return "acquired";
-    case AcquireStatus::in_flight: return "in_flight";
-    case AcquireStatus::duplicate: return "duplicate";
-    case AcquireStatus::previously_failed: return "previously_failed";
-    case AcquireStatus::mismatch: return "mismatch";
-  }
-  return "unknown";
+  constexpr std::array<std::string_view, 5> names{"acquired", "in_flight", "duplicate", "previously_failed",
+                                                  "mismatch"};
+  return detail::name_at(names, static_cast<std::size_t>(s));
 }
 
 }  // namespace idem

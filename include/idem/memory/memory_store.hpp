@@ -56,7 +56,7 @@ public:
   MemoryStore(MemoryStore&&) noexcept = default;             ///< Movable; not copyable.
   MemoryStore& operator=(MemoryStore&&) noexcept = default;  ///< Movable; not copyable.
 
-  /// Atomic acquire of DESIGN §1; see AcquireStatus for the outcomes.
+  /// Atomic acquire of docs/design.md §1; see AcquireStatus for the outcomes.
   AcquireResult acquire(std::string_view key, const AcquireParams& p) {
     detail::check_acquire(key, p);
     Shard& sh = shard(key);
