@@ -1,6 +1,6 @@
 // payments: duplicated, reordered payment events -> exact account balances in PostgreSQL.
 //
-// The reference scenario (seed 000). A producer emits, per account, a history of payments
+// The reference scenario. A producer emits, per account, a history of payments
 // (event id, account id, per-account sequence 1..N, debit or credit, amount, and the account's
 // balance after it). A simulated at-least-once broker delivers them shuffled, about 20% of them
 // twice or more, to a few worker threads. Each worker applies an event with
@@ -34,6 +34,7 @@
 #include <exception>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <queue>
 #include <random>
@@ -42,8 +43,9 @@
 #include <thread>
 #include <vector>
 
+#include <libpq-fe.h>
+
 #include "idem/idem.hpp"
-#include "idem/postgres.hpp"
 #include "idem/postgres.hpp"
 
 using namespace std::chrono_literals;
@@ -198,12 +200,18 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-void exec(PGconn* c, const std::string& sql) {
-  idem::PgResult r(PQexec(c, sql.c_str()));
-  const auto st = PQresultStatus(r.native());
+// The example's own libpq calls (setup and the final check), outside idem.
+using RawResult = std::unique_ptr<PGresult, decltype(&PQclear)>;
+
+RawResult query(PGconn* c, const std::string& sql) {
+  RawResult r(PQexec(c, sql.c_str()), &PQclear);
+  const auto st = PQresultStatus(r.get());
   if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
-    throw std::runtime_error("setup failed: " + sql + ": " + PQresultErrorMessage(r.native()));
+    throw std::runtime_error("query failed: " + sql + ": " + PQresultErrorMessage(r.get()));
+  return r;
 }
+
+void exec(PGconn* c, const std::string& sql) { query(c, sql); }
 
 }  // namespace
 
@@ -232,17 +240,13 @@ int main(int argc, char** argv) try {
   }
 
   // ---- idem: the guard's store (transactional mode) and the per-account sequences -------------
-  // TUNE: pool_size >= workers; lock_timeout is how long a redelivery waits for a live holder's
+  // TUNE: pool.size >= workers + 1 (a transaction holds a session; the sequence store's first
+  // use migrates on another); lock_timeout is how long a redelivery waits for a live holder's
   // row before answering in_flight; lease = how long a stuck transaction may hold an event.
-  idem::PostgresStore store{{.conninfo = args.conninfo,
-                             .schema = S,
-                             .table = "idem_records",
-                             .mode = idem::PgMode::transactional,
-                             .pool_size = static_cast<std::size_t>(args.workers) + 2}};
-  idem::PostgresSequenceStore seqs{{.conninfo = args.conninfo,
-                                    .schema = S,
-                                    .table = "account_sequences",
-                                    .pool_size = static_cast<std::size_t>(args.workers) + 2}};
+  idem::PostgresStore store{{.conninfo = args.conninfo, .pool = {.size = static_cast<std::size_t>(args.workers) + 2}},
+                            {.schema = S, .table = "idem_records", .mode = idem::PostgresMode::transactional}};
+  // The sequence store shares the store's client: one pool, the same server by construction.
+  idem::PostgresSequenceStore seqs{store, {.schema = S, .table = "account_sequences"}};
   // release: a failed handler frees the event for its redelivery (nothing of it committed).
   idem::IdempotencyGuard<idem::PostgresStore> guard{
       store, {.lease = 30s, .retention = 24h, .failure = {.mode = idem::FailureMode::release}}};
@@ -285,7 +289,7 @@ int main(int argc, char** argv) try {
               // YOUR LOGIC: business writes go through ctx.tx, so they commit with the record and
               // the sequence advance, or not at all.
               ++handler_runs;
-              idem::PgResult r = ctx.tx->exec("INSERT INTO " + S + ".accounts AS a (id, balance) VALUES ($1, $2) "
+              idem::PostgresResult r = ctx.tx->exec("INSERT INTO " + S + ".accounts AS a (id, balance) VALUES ($1, $2) "
                                               "ON CONFLICT (id) DO UPDATE SET balance = a.balance + EXCLUDED.balance "
                                               "RETURNING balance",
                                               ev.account, delta(ev));
@@ -354,12 +358,11 @@ int main(int argc, char** argv) try {
   {
     PGconn* c = PQconnectdb(args.conninfo.c_str());
     if (PQstatus(c) != CONNECTION_OK) throw std::runtime_error(PQerrorMessage(c));
-    idem::PgResult bal(PQexec(c, ("SELECT a.id, a.balance, (SELECT count(*) FROM " + S +
-                                  ".ledger l WHERE l.account = a.id) FROM " + S + ".accounts a ORDER BY a.id")
-                                     .c_str()));
+    const RawResult bal = query(c, "SELECT a.id, a.balance, (SELECT count(*) FROM " + S +
+                                       ".ledger l WHERE l.account = a.id) FROM " + S + ".accounts a ORDER BY a.id");
     std::map<std::string, std::pair<std::int64_t, long>> got;
-    for (int r = 0; r < bal.rows(); ++r)
-      got[std::string(bal.get(r, 0))] = {std::stoll(std::string(bal.get(r, 1))), std::stol(std::string(bal.get(r, 2)))};
+    for (int r = 0; r < PQntuples(bal.get()); ++r)
+      got[PQgetvalue(bal.get(), r, 0)] = {std::stoll(PQgetvalue(bal.get(), r, 1)), std::stol(PQgetvalue(bal.get(), r, 2))};
     PQfinish(c);
     std::printf("%-10s %14s %14s %8s %8s %6s\n", "account", "expected", "balance", "events", "applied", "seq");
     for (const auto& [acct, last] : last_of) {

@@ -42,11 +42,12 @@ int main(int argc, char** argv) {
   try {
     idem::PostgresOptions o;
     o.conninfo = conninfo;
-    o.schema = "idem_bench";
-    o.table = mode == "tx" ? "records_tx" : "records_lease";
-    o.mode = mode == "tx" ? idem::PgMode::transactional : idem::PgMode::lease;
-    o.pool_size = static_cast<std::size_t>(clients);
-    idem::PostgresStore store(o);
+    o.pool.size = static_cast<std::size_t>(clients);
+    idem::PostgresStoreOptions so;
+    so.schema = "idem_bench";
+    so.table = mode == "tx" ? "records_tx" : "records_lease";
+    so.mode = mode == "tx" ? idem::PostgresMode::transactional : idem::PostgresMode::lease;
+    idem::PostgresStore store(o, so);
     store.migrate();
     if (mode == "tx") {
       PGconn* c = PQconnectdb(conninfo.c_str());

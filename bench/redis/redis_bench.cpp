@@ -5,14 +5,16 @@
 // to redis-benchmark on the same server and prints the ratios.
 //
 //   idem_redis_bench --port P [--host H] [--messages N] [--batch B] [--batch-threads T]
-//   idem_redis_bench --port P --print-sha      (the acquire script's SHA1, for redis-benchmark)
+//   idem_redis_bench --port P --print-sha      (loads the acquire script, prints its SHA1, for redis-benchmark)
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -21,7 +23,6 @@
 #include <hiredis/hiredis.h>
 
 #include "idem/idem.hpp"
-#include "idem/redis.hpp"
 #include "idem/redis.hpp"
 
 namespace {
@@ -191,13 +192,18 @@ int main(int argc, char** argv) try {
   idem::RedisOptions o;
   o.host = a.host;
   o.port = a.port;
-  o.pool_size = 16;
+  o.pool.size = 16;
   o.command_timeout = 10s;
-  idem::RedisStore store(o);
   if (a.print_sha) {
-    std::printf("%s\n", store.script_sha("acquire").c_str());
+    // The generated file is the script the store loads, byte for byte, so its SHA1 is the same.
+    std::ifstream in(IDEM_REDIS_LUA_DIR "/acquire.lua", std::ios::binary);
+    std::stringstream source;
+    source << in.rdbuf();
+    if (!in) throw std::runtime_error("bench: cannot read " IDEM_REDIS_LUA_DIR "/acquire.lua");
+    std::printf("%s\n", Admin(a.host, a.port).run({"SCRIPT", "LOAD", source.str()}).c_str());
     return 0;
   }
+  idem::RedisStore store(o);
   Admin admin(a.host, a.port);
   const std::string run = std::to_string(Clock::now().time_since_epoch().count() % 1'000'000'007);
 
@@ -304,7 +310,7 @@ int main(int argc, char** argv) try {
 
   // SequenceGate, 1 in flight: complete_advance (one script) against the two-step fallback.
   {
-    idem::RedisSequenceStore seqs(o);
+    idem::RedisSequenceStore seqs(store);  // one client: complete_advance needs it
     TwoStep two{&seqs};
     Phase one_best, two_best;
     for (int rep = 0; rep < a.repeat; ++rep) {

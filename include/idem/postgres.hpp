@@ -3,6 +3,8 @@
 /// PostgresStore with its transactions, and PostgresSequenceStore.
 
 #include "idem/idem.hpp"
+#include "idem/postgres/client.hpp"
+#include "idem/postgres/result.hpp"
 #include "idem/postgres/sequence_store.hpp"
 #include "idem/postgres/run_sequenced.hpp"
 #include "idem/postgres/store.hpp"

@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS @S@.@T@ (
 -- Retention: purge walks this index to find expired rows in bounded batches.
 CREATE INDEX IF NOT EXISTS "@P@_purge_idx" ON @S@.@T@ (purge_after);
 
--- acquire: the whole decision of DESIGN.md section 1 in one statement (one round trip).
+-- acquire: the whole decision of docs/design.md in one statement (one round trip).
 -- A new key is one INSERT; otherwise decisions that change nothing come from an unlocked read,
 -- and a write takes the row lock and decides again on the locked row. p_lock_timeout bounds the wait for a row held
 -- by another transaction (transactional mode): lock_not_available (55P03) means "in flight".

@@ -166,6 +166,19 @@ struct business_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The rows of one of the driver's own statements.
+class SqlResult {
+public:
+  explicit SqlResult(PGresult* r) : r_(r, &PQclear) {}
+  int rows() const { return PQntuples(r_.get()); }
+  std::string_view get(int row, int col) const { return PQgetvalue(r_.get(), row, col); }
+  std::uint64_t affected() const { return std::strtoull(PQcmdTuples(r_.get()), nullptr, 10); }
+  PGresult* native() const { return r_.get(); }
+
+private:
+  std::unique_ptr<PGresult, decltype(&PQclear)> r_;
+};
+
 class Pg {
 public:
   explicit Pg(std::string conninfo) : ci_(std::move(conninfo)) {}
@@ -174,12 +187,12 @@ public:
   Pg& operator=(const Pg&) = delete;
 
   // Runs one statement; any failure drops the connection (an open transaction dies with it).
-  idem::PgResult exec(const std::string& sql, const std::vector<std::string>& params = {}) {
+  SqlResult exec(const std::string& sql, const std::vector<std::string>& params = {}) {
     connect();
     std::vector<const char*> vals;
     for (const auto& p : params) vals.push_back(p.c_str());
-    idem::PgResult r(PQexecParams(c_, sql.c_str(), static_cast<int>(vals.size()), nullptr, vals.data(), nullptr,
-                                  nullptr, 0));
+    SqlResult r(PQexecParams(c_, sql.c_str(), static_cast<int>(vals.size()), nullptr, vals.data(), nullptr,
+                             nullptr, 0));
     const auto st = r.native() ? PQresultStatus(r.native()) : PGRES_FATAL_ERROR;
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
       std::string e = PQerrorMessage(c_);
@@ -304,11 +317,12 @@ int worker_main(int argc, char** argv) {
     const std::string payload = e.account + "|" + e.amount;
     if (setup == 'a') {
       if (!pgs) {
-        pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .table = "records_a", .mode = idem::PgMode::transactional,
-                                          .pool_size = 2, .pool_wait = idem::millis{3000}, .statement_timeout = idem::millis{5000}});
+        pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .pool = {.size = 2, .wait = idem::millis{3000}},
+                                          .statement_timeout = idem::millis{5000}},
+                    idem::PostgresStoreOptions{.table = "records_a", .mode = idem::PostgresMode::transactional});
         pguard.emplace(*pgs, go);
       }
-      auto out = pguard->run(e.event, payload, [&](const idem::BasicContext<idem::PostgresStore::transaction>& ctx) {
+      auto out = pguard->run(e.event, payload, [&](const idem::BasicContext<idem::PostgresStore::Transaction>& ctx) {
         ctx.tx->exec("UPDATE a_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount, e.account);
         ctx.tx->exec("INSERT INTO a_effects(event_id) VALUES ($1)", e.event);
       });
@@ -318,10 +332,10 @@ int worker_main(int argc, char** argv) {
       idem::RedisOptions ro;
       ro.port = port;
       ro.key_prefix = "idem:" + T + ":";
-      ro.pool_size = 2;
+      ro.pool.size = 2;
       ro.connect_timeout = idem::millis{1000};
       ro.command_timeout = idem::millis{2000};
-      ro.pool_wait = idem::millis{2000};
+      ro.pool.wait = idem::millis{2000};
       rs.emplace(std::move(ro));
       rguard.emplace(*rs, go);
     }
@@ -523,7 +537,7 @@ public:
       pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
       if (setup == 'b') pg.exec("CREATE TABLE b_applied (event_id text PRIMARY KEY)");
       if (setup == 'a') {
-        idem::PostgresStore s({.conninfo = conninfo_, .table = "records_a", .mode = idem::PgMode::transactional});
+        idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
         s.migrate();
       }
     }

@@ -1,5 +1,5 @@
 #pragma once
-// The store contract of DESIGN.md §1, written once and instantiated for every store:
+// The store contract of docs/design.md §1, written once and instantiated for every store:
 //
 //   struct MyFactory {
 //     using store_type = idem::MyStore;

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <memory>
 #include <optional>
 
 #include <libpq-fe.h>
@@ -41,6 +42,20 @@ inline std::string random_hex(int n = 12) {
   return s;
 }
 
+// A libpq result of the tests' own (PostgresResult wraps only the store's).
+class RawResult {
+public:
+  explicit RawResult(PGresult* r) noexcept : r_(r, &PQclear) {}
+  int rows() const { return PQntuples(r_.get()); }
+  std::string_view get(int row, int col) const {
+    return {PQgetvalue(r_.get(), row, col), static_cast<std::size_t>(PQgetlength(r_.get(), row, col))};
+  }
+  PGresult* native() const { return r_.get(); }
+
+private:
+  std::unique_ptr<PGresult, void (*)(PGresult*)> r_;
+};
+
 // A plain libpq connection for setup and for poking at rows behind the store's back.
 class Raw {
 public:
@@ -54,8 +69,8 @@ public:
   Raw(const Raw&) = delete;
   Raw& operator=(const Raw&) = delete;
   ~Raw() { PQfinish(c_); }
-  idem::PgResult exec(const std::string& sql) {
-    idem::PgResult r(PQexec(c_, sql.c_str()));
+  RawResult exec(const std::string& sql) {
+    RawResult r(PQexec(c_, sql.c_str()));
     auto st = PQresultStatus(r.native());
     if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
       throw std::runtime_error("raw sql failed: " + sql + ": " + PQresultErrorMessage(r.native()));
@@ -71,15 +86,25 @@ private:
   PGconn* c_;
 };
 
-inline idem::PostgresOptions options(idem::PgMode mode = idem::PgMode::lease) {
-  idem::PostgresOptions o;
-  o.conninfo = conninfo();
-  o.schema = "idem_test";
-  o.table = "records";
-  o.mode = mode;
-  o.pool_size = 16;
+// The options of a test store: its connection and the store itself.
+struct Config {
+  idem::PostgresOptions client;
+  idem::PostgresStoreOptions store;
+};
+
+inline Config options(idem::PostgresMode mode = idem::PostgresMode::lease) {
+  Config o;
+  o.client.conninfo = conninfo();
+  o.client.pool.size = 16;
+  o.store.schema = "idem_test";
+  o.store.table = "records";
+  o.store.mode = mode;
   return o;
 }
+
+// A store on a client of its own, as configured.
+inline idem::PostgresStore store(const Config& o) { return idem::PostgresStore(o.client, o.store); }
+inline idem::PostgresStore store(idem::PostgresMode mode = idem::PostgresMode::lease) { return store(options(mode)); }
 
 // Handlers written for any store (`const idem::Context&`) must work on PostgresStore too.
 static_assert(std::is_convertible_v<const idem::IdempotencyGuard<idem::PostgresStore>::context_type&,
@@ -88,7 +113,7 @@ static_assert(std::is_convertible_v<const idem::IdempotencyGuard<idem::PostgresS
 // Factory of the contract suite (lease mode) on the shared fixture server.
 struct PgFactory {
   using store_type = idem::PostgresStore;
-  PgFactory() : store_(options()), prefix_("c" + random_hex() + ":") {}
+  PgFactory() : store_(pgtest::store()), prefix_("c" + random_hex() + ":") {}
   store_type& store() { return store_; }
   std::string key(std::string_view name) { return prefix_ + std::string(name); }
   void advance(idem::millis d) { std::this_thread::sleep_for(d); }

@@ -24,18 +24,15 @@ using namespace std::chrono_literals;
 
 namespace {
 
-idem::PostgresOptions opts(const std::string& conninfo, idem::PgMode mode) {
+idem::PostgresStore open_store(const std::string& conninfo, idem::PostgresMode mode) {
   idem::PostgresOptions o;
   o.conninfo = conninfo;
-  o.schema = "idem_test";
-  o.table = "records";
-  o.mode = mode;
-  o.pool_size = 2;
-  return o;
+  o.pool.size = 2;
+  return idem::PostgresStore(o, {.schema = "idem_test", .table = "records", .mode = mode});
 }
 
 int tx_increment(const std::string& ci, const std::string& table, const std::string& prefix, int keys, unsigned seed) {
-  idem::PostgresStore store(opts(ci, idem::PgMode::transactional));
+  idem::PostgresStore store = open_store(ci, idem::PostgresMode::transactional);
   idem::GuardOptions go;
   go.wait_for_in_flight = 0ms;
   idem::IdempotencyGuard guard(store, go);
@@ -71,7 +68,7 @@ int tx_increment(const std::string& ci, const std::string& table, const std::str
 }
 
 int tx_hang(const std::string& ci, const std::string& table, const std::string& key) {
-  idem::PostgresStore store(opts(ci, idem::PgMode::transactional));
+  idem::PostgresStore store = open_store(ci, idem::PostgresMode::transactional);
   idem::IdempotencyGuard guard(store);
   guard.run(key, [&](const auto& ctx) {
     ctx.tx->exec("INSERT INTO " + table + " (id) VALUES ($1)", key);
@@ -81,8 +78,8 @@ int tx_hang(const std::string& ci, const std::string& table, const std::string& 
   return 5;
 }
 
-int hold(const std::string& ci, const std::string& key, int lease_ms, idem::PgMode mode) {
-  idem::PostgresStore store(opts(ci, mode));
+int hold(const std::string& ci, const std::string& key, int lease_ms, idem::PostgresMode mode) {
+  idem::PostgresStore store = open_store(ci, mode);
   idem::GuardOptions go;
   go.lease = std::chrono::milliseconds(lease_ms);
   go.retention = 600s;
@@ -105,8 +102,8 @@ int main(int argc, char** argv) {
     if (a.size() == 7 && a[1] == "tx-increment")
       return tx_increment(a[2], a[3], a[4], std::stoi(a[5]), static_cast<unsigned>(std::stoul(a[6])));
     if (a.size() == 5 && a[1] == "tx-hang") return tx_hang(a[2], a[3], a[4]);
-    if (a.size() == 5 && a[1] == "lease-hold") return hold(a[2], a[3], std::stoi(a[4]), idem::PgMode::lease);
-    if (a.size() == 5 && a[1] == "tx-hold") return hold(a[2], a[3], std::stoi(a[4]), idem::PgMode::transactional);
+    if (a.size() == 5 && a[1] == "lease-hold") return hold(a[2], a[3], std::stoi(a[4]), idem::PostgresMode::lease);
+    if (a.size() == 5 && a[1] == "tx-hold") return hold(a[2], a[3], std::stoi(a[4]), idem::PostgresMode::transactional);
     std::cerr << "usage: see pg_worker.cpp\n";
     return 2;
   } catch (const std::exception& e) {

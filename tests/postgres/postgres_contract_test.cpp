@@ -1,4 +1,4 @@
-// The store contract of DESIGN.md §1, run against PostgresStore in lease mode on a real server.
+// The store contract of docs/design.md, run against PostgresStore in lease mode on a real server.
 #include "contract/contract_suite.hpp"
 #include "pg_support.hpp"
 

@@ -124,7 +124,7 @@ TEST_CASE("postgres: 8 processes on the same keys, transactional: each key once,
   const std::string t = "bal_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id int PRIMARY KEY, balance bigint NOT NULL); INSERT INTO " + t +
            " VALUES (1, 0); CREATE TABLE " + t + "_applied (key text PRIMARY KEY, fence bigint NOT NULL)");
-  idem::PostgresStore(pgtest::options()).migrate();  // so the children do not all race to create it
+  pgtest::store().migrate();  // so the children do not all race to create it
   const int procs = 8, keys = 40;
   const std::string prefix = "p" + pgtest::random_hex() + ":";
   std::vector<std::unique_ptr<Child>> kids;
@@ -152,7 +152,7 @@ TEST_CASE("postgres: a consumer SIGKILLed mid-handler commits nothing, and redel
   pgtest::Raw raw;
   const std::string t = "kill_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id text PRIMARY KEY)");
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   s.migrate();
   const std::string k = "k" + pgtest::random_hex() + ":killed";
   Child c({IDEM_PG_WORKER, "tx-hang", pgtest::conninfo(), t, k});
@@ -189,7 +189,7 @@ void resume_paused_holder(Child& c, idem::PostgresStore& s, const std::string& k
 }  // namespace
 
 TEST_CASE("postgres: a SIGSTOPped lease holder gets lease_lost after a takeover", "[postgres][process]") {
-  idem::PostgresStore s(pgtest::options());
+  idem::PostgresStore s = pgtest::store();
   s.migrate();
   const std::string k = "k" + pgtest::random_hex() + ":paused";
   Child c({IDEM_PG_WORKER, "lease-hold", pgtest::conninfo(), k, "300"});
@@ -207,7 +207,7 @@ TEST_CASE("postgres: a SIGSTOPped lease holder gets lease_lost after a takeover"
 }
 
 TEST_CASE("postgres: a paused transactional holder loses its claim after one idle lease", "[postgres][process][tx]") {
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   s.migrate();
   const std::string k = "k" + pgtest::random_hex() + ":tx-paused";
   Child c({IDEM_PG_WORKER, "tx-hold", pgtest::conninfo(), k, "300"});
@@ -237,9 +237,9 @@ TEST_CASE("postgres: after a server restart the pool recovers", "[postgres][proc
   }
   REQUIRE_FALSE(ci.empty());
   auto o = pgtest::options();
-  o.conninfo = ci;
-  o.pool_size = 2;
-  idem::PostgresStore s(o);
+  o.client.conninfo = ci;
+  o.client.pool.size = 2;
+  idem::PostgresStore s(o.client, o.store);
   idem::AcquireParams p;
   p.lease = 30s;
   p.retention = 600s;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <limits>
 #include <mutex>
 #include <random>
@@ -27,13 +28,18 @@ using idem::Status;
 
 namespace {
 
-idem::PostgresSequenceOptions seq_options(std::string table = "seq_" + pgtest::random_hex(8)) {
-  idem::PostgresSequenceOptions o;
-  o.conninfo = pgtest::conninfo();
+idem::PostgresSequenceStoreOptions seq_options(std::string table = "seq_" + pgtest::random_hex(8)) {
+  idem::PostgresSequenceStoreOptions o;
   o.schema = "idem_test";
   o.table = std::move(table);
-  o.pool_size = 16;
   return o;
+}
+
+// A client of its own on the fixture server, for a sequence store without a PostgresStore.
+std::shared_ptr<idem::PostgresClient> client(std::string conninfo = pgtest::conninfo()) {
+  idem::PostgresOptions o = pgtest::options().client;
+  o.conninfo = std::move(conninfo);
+  return std::make_shared<idem::PostgresClient>(std::move(o));
 }
 
 std::string uid(std::string_view base) { return std::string(base) + "-" + pgtest::random_hex(8); }
@@ -41,7 +47,7 @@ std::string uid(std::string_view base) { return std::string(base) + "-" + pgtest
 }  // namespace
 
 TEST_CASE("postgres sequence: compare-and-set in order, older, equal, gaps") {
-  PostgresSequenceStore s{seq_options()};
+  PostgresSequenceStore s{client(), seq_options()};
   const std::string e = uid("acct");
   CHECK_FALSE(s.last_applied(e).has_value());
   auto a = s.advance(e, 3);
@@ -75,7 +81,7 @@ TEST_CASE("postgres sequence: compare-and-set in order, older, equal, gaps") {
 
 TEST_CASE("postgres sequence: the table, its identifiers and its migration") {
   const std::string table = "seq_" + pgtest::random_hex(8);
-  PostgresSequenceStore s{seq_options(table)};
+  PostgresSequenceStore s{client(), seq_options(table)};
   CHECK(s.qualified_table() == "\"idem_test\".\"" + table + "\"");
   s.migrate();
   s.migrate();  // idempotent
@@ -84,17 +90,17 @@ TEST_CASE("postgres sequence: the table, its identifiers and its migration") {
                    "table_name = '" + table + "' AND column_name = 'entity'") == "bytea");
   auto bad = seq_options();
   bad.table = "Robert'); DROP TABLE x;--";
-  CHECK_THROWS_AS(PostgresSequenceStore{bad}, idem::invalid_options_error);
+  CHECK_THROWS_AS((PostgresSequenceStore{client(), bad}), idem::invalid_options_error);
   bad = seq_options();
   bad.schema = "pg_catalog";
-  CHECK_THROWS_AS(PostgresSequenceStore{bad}, idem::invalid_options_error);
-  bad = seq_options();
-  bad.pool_size = 0;
-  CHECK_THROWS_AS(PostgresSequenceStore{bad}, idem::invalid_options_error);
+  CHECK_THROWS_AS((PostgresSequenceStore{client(), bad}), idem::invalid_options_error);
+  CHECK_THROWS_AS((PostgresSequenceStore{std::shared_ptr<idem::PostgresClient>(), seq_options()}),
+                  idem::invalid_options_error);
+  CHECK_THROWS_AS(idem::PostgresClient({.pool = {.size = 0}}), idem::invalid_options_error);
 
   auto off = seq_options();
   off.auto_migrate = false;
-  PostgresSequenceStore unmigrated{off};
+  PostgresSequenceStore unmigrated{client(), off};
   try {
     unmigrated.advance("a", 1);
     FAIL("no error");
@@ -105,7 +111,7 @@ TEST_CASE("postgres sequence: the table, its identifiers and its migration") {
 }
 
 TEST_CASE("postgres sequence: binary-safe entity ids and bad input") {
-  PostgresSequenceStore s{seq_options()};
+  PostgresSequenceStore s{client(), seq_options()};
   const std::string a("acct\0one", 8), b("acct\0two", 8), odd = "\xff\xfe'\"\\x00;--";
   CHECK(s.advance(a, 5).advanced);
   CHECK(s.advance(b, 1).advanced);
@@ -121,20 +127,18 @@ TEST_CASE("postgres sequence: binary-safe entity ids and bad input") {
 }
 
 TEST_CASE("postgres sequence: an unreachable server is a connection_error") {
-  auto o = seq_options();
-  o.conninfo = "host=127.0.0.1 port=1 connect_timeout=2";
-  PostgresSequenceStore s{o};
+  PostgresSequenceStore s{client("host=127.0.0.1 port=1 connect_timeout=2"), seq_options()};
   CHECK_THROWS_AS(s.advance("a", 1), idem::connection_error);
 }
 
 TEST_CASE("postgres sequence: 8 threads on shared entities end at the max, each advance once") {
-  PostgresSequenceStore s{seq_options()};
+  PostgresSequenceStore s{client(), seq_options()};
   idem::contract::advance_race(s, uid("race"), 8, 3, 25);
 }
 
 TEST_CASE("postgres sequence: SequenceGate over PostgresStore (lease mode) answers stale") {
-  idem::PostgresStore store{pgtest::options()};
-  PostgresSequenceStore seqs{seq_options()};
+  idem::PostgresStore store = pgtest::store();
+  PostgresSequenceStore seqs{store, seq_options()};
   idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
   idem::SequenceGate gate{seqs};
   const std::string ent = uid("acct");
@@ -161,8 +165,8 @@ namespace {
 // Transactional mode: a balance table written through ctx.tx, and the sequence in the same tx.
 struct TxFixture {
   std::string accounts = "acct_" + pgtest::random_hex(8);
-  idem::PostgresStore store{pgtest::options(idem::PgMode::transactional)};
-  PostgresSequenceStore seqs{seq_options()};
+  idem::PostgresStore store = pgtest::store(idem::PostgresMode::transactional);
+  PostgresSequenceStore seqs{store, seq_options()};
   std::shared_ptr<idem::CountingObserver> counts = std::make_shared<idem::CountingObserver>();
   idem::IdempotencyGuard<idem::PostgresStore> guard{
       store, {.lease = 10s, .retention = 1h, .failure = {.mode = idem::FailureMode::release}, .observer = counts}};
@@ -326,8 +330,8 @@ TEST_CASE("postgres sequence: concurrent events of one entity serialise on the r
 }
 
 TEST_CASE("postgres sequence: run_sequenced refuses a lease-mode store") {
-  idem::PostgresStore store{pgtest::options()};
-  PostgresSequenceStore seqs{seq_options()};
+  idem::PostgresStore store = pgtest::store();
+  PostgresSequenceStore seqs{store, seq_options()};
   idem::IdempotencyGuard guard{store};
   CHECK_THROWS_AS(idem::run_sequenced(guard, seqs, "k", "e", 1, [] {}), idem::usage_error);
   CHECK_THROWS_AS(idem::run_sequenced(guard, seqs, "k", "", 1, [] {}), idem::invalid_entity_error);
@@ -366,7 +370,7 @@ TEST_CASE("postgres sequence: run_sequenced contiguous mode requeues gaps (delta
 
 TEST_CASE("postgres sequence: a pooled connection ended by the server is dropped, not used") {
   const std::string table = "seq_" + pgtest::random_hex(8);
-  PostgresSequenceStore s{seq_options(table)};
+  PostgresSequenceStore s{client(), seq_options(table)};
   const std::string e = uid("kill");
   CHECK(s.advance(e, 1).advanced);
   pgtest::Raw raw;
@@ -381,12 +385,12 @@ TEST_CASE("postgres sequence: a store and a sequence store migrating a fresh sch
   pgtest::Raw raw;
   for (int round = 0; round < 12; ++round) {
     const std::string schema = "race_" + pgtest::random_hex(8);
-    idem::PostgresOptions so = pgtest::options();
-    so.schema = schema;
-    idem::PostgresStore store{so};
+    auto so = pgtest::options();
+    so.store.schema = schema;
+    idem::PostgresStore store{so.client, so.store};
     auto qo = seq_options();
     qo.schema = schema;
-    PostgresSequenceStore seqs{qo};
+    PostgresSequenceStore seqs{store, qo};
     std::atomic<int> ready{0};
     std::exception_ptr e1, e2;
     auto go = [&](auto&& f, std::exception_ptr& err) {

@@ -62,28 +62,28 @@ E capture(F&& f) {
 TEST_CASE("postgres: schema and table names are validated identifiers", "[postgres]") {
   for (const char* bad : {"", "Idem", "idem;drop table x", "a\"b", "1abc", "pg_catalog", "x y", "idem--"}) {
     auto o = pgtest::options();
-    o.schema = bad;
-    CHECK_THROWS_AS(idem::PostgresStore(o), idem::invalid_options_error);
+    o.store.schema = bad;
+    CHECK_THROWS_AS(pgtest::store(o), idem::invalid_options_error);
   }
   for (const std::string& bad : {std::string(), std::string("records'); DROP TABLE x; --"), std::string("Records"),
                                  std::string(41, 'a')}) {
     auto o = pgtest::options();
-    o.table = bad;
-    CHECK_THROWS_AS(idem::PostgresStore(o), idem::invalid_options_error);
+    o.store.table = bad;
+    CHECK_THROWS_AS(pgtest::store(o), idem::invalid_options_error);
   }
   auto o = pgtest::options();
-  o.isolation = "chaos";
-  CHECK_THROWS_AS(idem::PostgresStore(o), idem::invalid_options_error);
+  o.store.isolation = "chaos";
+  CHECK_THROWS_AS(pgtest::store(o), idem::invalid_options_error);
   o = pgtest::options();
-  o.pool_size = 0;
-  CHECK_THROWS_AS(idem::PostgresStore(o), idem::invalid_options_error);
+  o.client.pool.size = 0;
+  CHECK_THROWS_AS(pgtest::store(o), idem::invalid_options_error);
   o = pgtest::options();
-  o.lock_timeout = 0ms;
-  CHECK_THROWS_AS(idem::PostgresStore(o), idem::invalid_options_error);
+  o.store.lock_timeout = 0ms;
+  CHECK_THROWS_AS(pgtest::store(o), idem::invalid_options_error);
 }
 
 TEST_CASE("postgres: keys are binary-safe, oversized keys are a typed error", "[postgres]") {
-  idem::PostgresStore s(pgtest::options());
+  idem::PostgresStore s = pgtest::store();
   const std::string base = key("bin");
   const std::string k1 = base + std::string("\0\xff\x01", 3);
   const std::string k2 = base + std::string("\0", 1);
@@ -102,7 +102,7 @@ TEST_CASE("postgres: keys are binary-safe, oversized keys are a typed error", "[
 }
 
 TEST_CASE("postgres: times come from the server clock", "[postgres]") {
-  idem::PostgresStore s(pgtest::options());
+  idem::PostgresStore s = pgtest::store();
   pgtest::Raw raw;
   const auto k = key("clock");
   REQUIRE(s.acquire(k, ap(1, 10s)).status == AcquireStatus::acquired);
@@ -120,9 +120,9 @@ TEST_CASE("postgres: concurrent migrations of a fresh schema all succeed, versio
   for (int i = 0; i < 6; ++i)
     ts.emplace_back([&, i] {
       auto o = pgtest::options();
-      o.schema = schema;
-      o.table = i % 2 ? "records" : "records2";
-      idem::PostgresStore s(o);
+      o.store.schema = schema;
+      o.store.table = i % 2 ? "records" : "records2";
+      idem::PostgresStore s(o.client, o.store);
       try {
         s.migrate();
         if (s.acquire(key("m"), ap(1)).status == AcquireStatus::acquired) ok.fetch_add(1);
@@ -140,8 +140,8 @@ TEST_CASE("postgres: concurrent migrations of a fresh schema all succeed, versio
   // A schema newer than this library is refused, not used.
   raw.exec("UPDATE " + schema + ".idem_schema_version SET version = 99 WHERE table_name = 'records'");
   auto o = pgtest::options();
-  o.schema = schema;
-  idem::PostgresStore newer(o);
+  o.store.schema = schema;
+  idem::PostgresStore newer(o.client, o.store);
   auto e = capture<idem::store_error>([&] { newer.acquire(key("m"), ap(1)); });
   CHECK_FALSE(e.retryable());
   CHECK(std::string(e.what()).find("newer") != std::string::npos);
@@ -150,21 +150,21 @@ TEST_CASE("postgres: concurrent migrations of a fresh schema all succeed, versio
 
 TEST_CASE("postgres: without auto_migrate a missing schema is a typed, non-retryable error", "[postgres]") {
   auto o = pgtest::options();
-  o.schema = "absent_" + pgtest::random_hex(8);
-  o.auto_migrate = false;
-  idem::PostgresStore s(o);
+  o.store.schema = "absent_" + pgtest::random_hex(8);
+  o.store.auto_migrate = false;
+  idem::PostgresStore s(o.client, o.store);
   auto e = capture<idem::store_error>([&] { s.acquire(key("x"), ap(1)); });
   CHECK_FALSE(e.retryable());
   CHECK(!e.code().empty());
   s.migrate();
   CHECK(s.acquire(key("x"), ap(1)).status == AcquireStatus::acquired);
-  pgtest::Raw().exec("DROP SCHEMA " + o.schema + " CASCADE");
+  pgtest::Raw().exec("DROP SCHEMA " + o.store.schema + " CASCADE");
 }
 
 TEST_CASE("postgres: purge removes expired rows in bounded batches, from many instances", "[postgres]") {
   auto o = pgtest::options();
-  o.table = "purge_" + pgtest::random_hex(8);
-  idem::PostgresStore s(o);
+  o.store.table = "purge_" + pgtest::random_hex(8);
+  idem::PostgresStore s(o.client, o.store);
   idem::AcquireParams p = ap(1, 100ms);
   p.retention = 100ms;
   for (int i = 0; i < 45; ++i) {
@@ -178,20 +178,20 @@ TEST_CASE("postgres: purge removes expired rows in bounded batches, from many in
   std::vector<std::thread> ts;
   for (int i = 0; i < 3; ++i)
     ts.emplace_back([&] {
-      idem::PostgresStore other(o);
+      idem::PostgresStore other(o.client, o.store);
       removed.fetch_add(other.purge_expired(4));
     });
   for (auto& t : ts) t.join();
   CHECK(removed.load() == 35);
   CHECK(s.purge_expired() == 0);
   CHECK(s.inspect("kept").has_value());
-  pgtest::Raw().exec("DROP TABLE idem_test." + o.table);
+  pgtest::Raw().exec("DROP TABLE idem_test." + o.store.table);
 }
 
 TEST_CASE("postgres: server down is a retryable connection_error with a SQLSTATE", "[postgres][fault]") {
   auto o = pgtest::options();
-  o.conninfo = "host=127.0.0.1 port=" + std::to_string(free_port()) + " user=postgres connect_timeout=2";
-  idem::PostgresStore s(o);
+  o.client.conninfo = "host=127.0.0.1 port=" + std::to_string(free_port()) + " user=postgres connect_timeout=2";
+  idem::PostgresStore s(o.client, o.store);
   auto e = capture<idem::connection_error>([&] { s.acquire(key("down"), ap(1)); });
   CHECK(e.retryable());
   CHECK(e.code() == "08001");
@@ -203,9 +203,9 @@ TEST_CASE("postgres: server down is a retryable connection_error with a SQLSTATE
 
 TEST_CASE("postgres: statement timeout fails closed as timeout_error 57014", "[postgres][fault]") {
   auto o = pgtest::options();
-  o.statement_timeout = 150ms;
-  o.lock_timeout = 5s;  // the lock wait outlives the statement: the statement timeout must fire
-  idem::PostgresStore s(o);
+  o.client.statement_timeout = 150ms;
+  o.store.lock_timeout = 5s;  // the lock wait outlives the statement: the statement timeout must fire
+  idem::PostgresStore s(o.client, o.store);
   const auto k = key("timeout");
   REQUIRE(s.acquire(k, ap(1, 100ms)).status == AcquireStatus::acquired);
   std::this_thread::sleep_for(150ms);  // lapsed: the next acquire must lock the row to take over
@@ -227,8 +227,8 @@ TEST_CASE("postgres: statement timeout fails closed as timeout_error 57014", "[p
   CHECK(rec->holder.token == 1);  // nothing changed blindly
 
   // The same session timeout bounds the handler's own statements in transactional mode.
-  o.mode = idem::PgMode::transactional;
-  idem::PostgresStore tx_store(o);
+  o.store.mode = idem::PostgresMode::transactional;
+  idem::PostgresStore tx_store(o.client, o.store);
   idem::IdempotencyGuard g(tx_store);
   const auto k2 = key("timeout-handler");
   CHECK_THROWS_AS(g.run(k2, [](const auto& ctx) { ctx.tx->exec("SELECT pg_sleep(2)"); }), idem::timeout_error);
@@ -236,7 +236,7 @@ TEST_CASE("postgres: statement timeout fails closed as timeout_error 57014", "[p
 }
 
 TEST_CASE("postgres: a corrupted row is corrupt_record_error, never a decision", "[postgres][fault]") {
-  idem::PostgresStore s(pgtest::options());
+  idem::PostgresStore s = pgtest::store();
   pgtest::Raw raw;
   const auto k = key("corrupt");
   auto a = s.acquire(k, ap(1));
@@ -258,13 +258,13 @@ TEST_CASE("postgres: transactional mode commits the record with the handler's wr
   pgtest::Raw raw;
   const std::string t = "biz_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id text PRIMARY KEY, n int NOT NULL)");
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   REQUIRE(s.transactional());
   idem::IdempotencyGuard g(s);
   const auto k = key("tx-commit");
   auto out = g.run(k, [&](const auto& ctx) {
     REQUIRE(ctx.tx != nullptr);
-    REQUIRE(ctx.tx->connection() != nullptr);
+    REQUIRE(ctx.tx->backend_pid() != 0);
     auto r = ctx.tx->exec("INSERT INTO " + t + " (id, n) VALUES ($1, $2)", std::string_view(k), ctx.fence);
     CHECK(r.affected() == 1);
     return std::string("done");
@@ -285,7 +285,7 @@ TEST_CASE("postgres: transactional mode commits the record with the handler's wr
 
 TEST_CASE("postgres: a concurrent duplicate gets in_flight within ~100 ms, never waits out the handler",
           "[postgres][tx]") {
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   auto k = key("tx-nowait");
   auto held = s.begin(k, ap(1));
   REQUIRE(held.decision().status == AcquireStatus::acquired);
@@ -322,7 +322,7 @@ TEST_CASE("postgres: a handler exception rolls back, and the record policy write
   pgtest::Raw raw;
   const std::string t = "biz_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id text PRIMARY KEY)");
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   idem::GuardOptions go;
   go.failure.mode = idem::FailureMode::record;
   go.failure.max_attempts = 2;
@@ -363,9 +363,9 @@ TEST_CASE("postgres: a serialization failure is a retryable store_error 40001, n
   pgtest::Raw raw;
   const std::string t = "skew_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id int PRIMARY KEY, v int NOT NULL); INSERT INTO " + t + " VALUES (1, 0), (2, 0)");
-  auto o = pgtest::options(idem::PgMode::transactional);
-  o.isolation = "serializable";
-  idem::PostgresStore s(o);
+  auto o = pgtest::options(idem::PostgresMode::transactional);
+  o.store.isolation = "serializable";
+  idem::PostgresStore s(o.client, o.store);
   const auto ka = key("ssi-a"), kb = key("ssi-b");
   auto a = s.begin(ka, ap(1));
   auto b = s.begin(kb, ap(2));
@@ -416,11 +416,11 @@ TEST_CASE("postgres: a connection lost during COMMIT is outcome_unknown_error, n
            "_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(5); RETURN NULL; END $$; "
            "CREATE CONSTRAINT TRIGGER " + t + "_trg AFTER INSERT ON " + t +
            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + t + "_fn()");
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   const auto k = key("in-doubt");
   auto tx = s.begin(k, ap(1));
   REQUIRE(tx.decision().status == AcquireStatus::acquired);
-  const int pid = PQbackendPID(tx.connection());
+  const int pid = tx.backend_pid();
   tx.exec("INSERT INTO " + t + " VALUES (1)");
   std::thread killer([&] {
     pgtest::Raw k2;
@@ -446,9 +446,9 @@ TEST_CASE("postgres: handler statements do not inherit the claim's short lock_ti
   const std::string t = "lockwait_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id int PRIMARY KEY, n int NOT NULL); INSERT INTO " + t + " VALUES (1, 0)");
   for (bool idle_lease : {true, false}) {
-    auto o = pgtest::options(idem::PgMode::transactional);
-    o.idle_timeout_is_lease = idle_lease;
-    idem::PostgresStore s(o);
+    auto o = pgtest::options(idem::PostgresMode::transactional);
+    o.store.idle_timeout_is_lease = idle_lease;
+    idem::PostgresStore s(o.client, o.store);
     idem::IdempotencyGuard g(s);
     pgtest::Raw locker;
     locker.exec("BEGIN; UPDATE " + t + " SET n = n + 100 WHERE id = 1");
@@ -472,22 +472,22 @@ TEST_CASE("postgres: conninfo passes through to libpq, URI form and sslmode incl
   REQUIRE(at != std::string::npos);
   const std::string port = ci.substr(at + 5, ci.find(' ', at) - at - 5);
   auto o = pgtest::options();
-  o.conninfo = "postgresql://postgres@127.0.0.1:" + port + "/postgres?sslmode=disable&application_name=idem-uri";
-  idem::PostgresStore s(o);
+  o.client.conninfo = "postgresql://postgres@127.0.0.1:" + port + "/postgres?sslmode=disable&application_name=idem-uri";
+  idem::PostgresStore s(o.client, o.store);
   CHECK(s.acquire(key("uri"), ap(1)).status == AcquireStatus::acquired);
   // The test server has no TLS: sslmode=require reaching libpq makes the connection fail, typed.
-  o.conninfo = "postgresql://postgres@127.0.0.1:" + port + "/postgres?sslmode=require";
-  idem::PostgresStore tls(o);
+  o.client.conninfo = "postgresql://postgres@127.0.0.1:" + port + "/postgres?sslmode=require";
+  idem::PostgresStore tls(o.client, o.store);
   auto e = capture<idem::connection_error>([&] { tls.acquire(key("tls"), ap(1)); });
   CHECK(e.code() == "08001");
   CHECK(std::string(e.what()).find("SSL") != std::string::npos);
 }
 
 TEST_CASE("postgres: an exhausted pool is a timeout_error after pool_wait", "[postgres]") {
-  auto o = pgtest::options(idem::PgMode::transactional);
-  o.pool_size = 1;
-  o.pool_wait = 100ms;
-  idem::PostgresStore s(o);
+  auto o = pgtest::options(idem::PostgresMode::transactional);
+  o.client.pool.size = 1;
+  o.client.pool.wait = 100ms;
+  idem::PostgresStore s(o.client, o.store);
   auto held = s.begin(key("pool"), ap(1));
   REQUIRE(held.is_open());
   auto e = capture<idem::timeout_error>([&] { s.acquire(key("pool-2"), ap(2)); });
@@ -502,7 +502,7 @@ TEST_CASE("postgres: a commit whose claim is gone is lease_lost and commits none
   pgtest::Raw raw;
   const std::string t = "gone_" + pgtest::random_hex(8);
   raw.exec("CREATE TABLE " + t + " (id int)");
-  idem::PostgresStore s(pgtest::options(idem::PgMode::transactional));
+  idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   const auto k = key("claim-gone");
   auto tx = s.begin(k, ap(1));
   REQUIRE(tx.is_open());
@@ -512,4 +512,29 @@ TEST_CASE("postgres: a commit whose claim is gone is lease_lost and commits none
   CHECK(raw.scalar("SELECT count(*) FROM " + t) == "0");
   CHECK_FALSE(s.inspect(k).has_value());
   raw.exec("DROP TABLE " + t);
+}
+
+TEST_CASE("postgres: stores of different tables and a sequence store share one client's sessions", "[postgres]") {
+  auto o = pgtest::options();
+  o.client.pool.size = 1;  // one session: both stores' statements must be prepared side by side on it
+  auto client = std::make_shared<idem::PostgresClient>(o.client);
+  auto other = o.store;
+  other.table = "shared_" + pgtest::random_hex(8);
+  idem::PostgresStore a(client, o.store), b(client, other);
+  CHECK(a.client() == b.client());
+  const auto k = key("shared");
+  auto x = a.acquire(k, ap(1));
+  REQUIRE(x.status == AcquireStatus::acquired);
+  auto y = b.acquire(k, ap(2));  // another table: a record of its own
+  REQUIRE(y.status == AcquireStatus::acquired);
+  REQUIRE(a.complete(k, x.holder, "a", 60s) == WriteStatus::ok);
+  REQUIRE(b.complete(k, y.holder, "b", 60s) == WriteStatus::ok);
+  CHECK(a.inspect(k)->result == "a");
+  CHECK(b.inspect(k)->result == "b");
+  const std::string seq_table = "seq_" + pgtest::random_hex(8);
+  idem::PostgresSequenceStore seqs(a, {.schema = "idem_test", .table = seq_table});
+  CHECK(seqs.advance(k, 1).advanced);
+  CHECK(seqs.last_applied(k) == 1u);
+  CHECK_THROWS_AS(idem::PostgresStore(std::shared_ptr<idem::PostgresClient>(), o.store), idem::invalid_options_error);
+  pgtest::Raw().exec("DROP TABLE idem_test." + other.table + ", idem_test." + seq_table);
 }

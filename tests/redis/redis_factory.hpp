@@ -49,7 +49,7 @@ struct RedisFactory : RedisFactoryBase {
   }
   RedisStore s{[] {
     RedisOptions o = server().options();
-    o.pool_size = 16;
+    o.pool.size = 16;
     return o;
   }()};
   store_type& store() { return s; }
@@ -64,7 +64,7 @@ struct RedisAclFactory : RedisFactoryBase {
   RedisStore s{[] {
     RedisOptions o;
     o.url = "redis://idem-app:app%20secret%21@127.0.0.1:" + std::to_string(server().port()) + "/0";
-    o.pool_size = 16;
+    o.pool.size = 16;
     o.command_timeout = millis{5000};
     return o;
   }()};

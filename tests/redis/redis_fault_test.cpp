@@ -115,7 +115,7 @@ TEST_CASE("redis paused mid-call: timeout_error, then the store recovers", "[red
 TEST_CASE("redis killed mid-run then restarted: fail closed, then the pool reconnects", "[redis][fault]") {
   RedisServer server;
   RedisOptions o = server.options();
-  o.pool_size = 4;
+  o.pool.size = 4;
   o.connect_timeout = 300ms;
   RedisStore store(o);
   idem::IdempotencyGuard guard(store, {.lease = 10s, .retention = 60s});
@@ -261,11 +261,11 @@ TEST_CASE("redis ACL user without CONFIG: the policy check warns instead of fail
   }
 }
 
-TEST_CASE("redis pool exhausted: callers wait pool_wait, then timeout_error", "[redis][fault]") {
+TEST_CASE("redis pool exhausted: callers wait pool.wait, then timeout_error", "[redis][fault]") {
   RedisServer server;
   RedisOptions o = server.options();
-  o.pool_size = 1;
-  o.pool_wait = 100ms;
+  o.pool.size = 1;
+  o.pool.wait = 100ms;
   o.command_timeout = 3s;
   RedisStore store(o);
   // Hold the only connection in a slow call: pause the server so the call blocks.

@@ -16,7 +16,6 @@
 
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
-#include "idem/redis.hpp"
 #include "redis_factory.hpp"
 
 using namespace std::chrono_literals;
@@ -164,7 +163,7 @@ namespace {
 int behind_after_kills(RedisServer& srv, bool combined, int kills, std::mt19937& rng) {
   idem::RedisOptions o = srv.options();
   RedisStore store{o};
-  idem::RedisSequenceStore seqs{o};
+  idem::RedisSequenceStore seqs{store};
   constexpr int entities = 4000, per_entity = 4;
   int behind = 0;
   for (int k = 0; k < kills; ++k) {

@@ -18,7 +18,7 @@
 #include "contract/sequence_race.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
-#include "idem/redis.hpp"
+#include "idem/redis/hash_slot.hpp"
 #include "redis_factory.hpp"
 
 using namespace std::chrono_literals;
@@ -35,7 +35,7 @@ RedisServer& server() {
 
 idem::RedisOptions opts() {
   idem::RedisOptions o = server().options();
-  o.pool_size = 16;
+  o.pool.size = 16;
   o.key_prefix = "seqtest-" + idem::test::random_hex() + ":";
   return o;
 }
@@ -44,7 +44,7 @@ idem::RedisOptions opts() {
 struct GateFixture {
   idem::RedisOptions o = opts();
   idem::RedisStore store{o};
-  RedisSequenceStore seqs{o};
+  RedisSequenceStore seqs{store};
   idem::IdempotencyGuard<idem::RedisStore> guard{store, {.lease = 10s, .retention = 1h}};
 };
 
@@ -107,9 +107,11 @@ TEST_CASE("redis sequence: key layout, hash tag shared with tagged idempotency k
   s.advance("acct-42", 7);
   CHECK(server().command({"GET", o.key_prefix + "seq:{acct-42}"}) == "7");
   CHECK(server().command({"PTTL", o.key_prefix + "seq:{acct-42}"}) == "-1");  // never expires
-  CHECK(idem::RedisStore::hash_slot(s.sequence_key("acct-42")) ==
-        idem::RedisStore::hash_slot(store.redis_key("{acct-42}:evt-9")));
-  CHECK(s.script_sha().size() == 40);
+  CHECK(idem::redis_hash_slot(s.sequence_key("acct-42")) ==
+        idem::redis_hash_slot(store.redis_key("{acct-42}:evt-9")));
+  // The client loaded the compare-and-set script under the SHA1 of its generated file.
+  CHECK(server().command({"SCRIPT", "EXISTS", idem::test::generated_script_sha(server(), "seq/sequence_advance")}) ==
+        "1");
   CHECK(s.erase("acct-42"));
   CHECK_FALSE(s.erase("acct-42"));
   CHECK_FALSE(s.last_applied("acct-42").has_value());
@@ -167,7 +169,7 @@ TEST_CASE("redis sequence: an unreachable server is a connection_error") {
   o.port = idem::test::free_port();
   o.connect_timeout = 500ms;
   CHECK_THROWS_AS(RedisSequenceStore{o}, idem::connection_error);
-  o.pool_size = 0;
+  o.pool.size = 0;
   CHECK_THROWS_AS(RedisSequenceStore{o}, idem::invalid_options_error);
 }
 
@@ -309,6 +311,25 @@ TEST_CASE("redis sequence: a damaged sequence key fails closed after the result 
   RedisSequenceStore elsewhere{other};
   auto c = store.acquire("{acct}:evt-1", p);
   CHECK_THROWS_AS(elsewhere.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "acct", 1), idem::usage_error);
+  // Nor can one with the same options on a client of its own: the check is "the same client".
+  RedisSequenceStore twin{o};
+  CHECK_THROWS_AS(twin.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "acct", 1), idem::usage_error);
   CHECK(store.inspect("{acct}:evt-1")->state == idem::State::in_progress);
   CHECK_THROWS_AS(seqs.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "", 1), idem::invalid_entity_error);
+}
+
+TEST_CASE("redis sequence: stores over one shared RedisClient complete and advance in one script") {
+  auto client = std::make_shared<idem::RedisClient>(opts());
+  idem::RedisStore store{client};
+  RedisSequenceStore seqs{client};
+  CHECK(store.client() == seqs.client());
+  CHECK(seqs.options().port == client->options().port);
+  auto a = store.acquire("{shared}:evt-1", idem::AcquireParams{.lease = 10s, .retention = 1h, .token = 7});
+  REQUIRE(a.status == idem::AcquireStatus::acquired);
+  auto r = seqs.complete_advance(store, "{shared}:evt-1", a.holder, "done", 1h, "shared", 1);
+  CHECK(r.status == idem::WriteStatus::ok);
+  CHECK(r.advance.advanced);
+  CHECK(store.inspect("{shared}:evt-1")->result == "done");
+  CHECK(seqs.last_applied("shared") == 1u);
+  CHECK_THROWS_AS(RedisSequenceStore{std::shared_ptr<idem::RedisClient>{}}, idem::usage_error);
 }

@@ -229,4 +229,16 @@ private:
   pid_t pid_ = -1;
 };
 
+#ifdef IDEM_REDIS_LUA_DIR
+/// SHA1 of a generated script (`acquire`, `seq/sequence_advance`, ...) in the build's
+/// IDEM_REDIS_LUA_DIR, as EVALSHA wants it, computed by `server` (redis.sha1hex) without loading it.
+inline std::string generated_script_sha(const RedisServer& server, const std::string& name) {
+  std::ifstream in(std::string(IDEM_REDIS_LUA_DIR) + "/" + name + ".lua", std::ios::binary);
+  if (!in) throw std::runtime_error("test: no generated script " + name + " in " IDEM_REDIS_LUA_DIR);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return server.command({"EVAL", "return redis.sha1hex(ARGV[1])", "0", ss.str()});
+}
+#endif
+
 }  // namespace idem::test

@@ -8,6 +8,7 @@
 
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
+#include "idem/redis/hash_slot.hpp"
 #include "redis_factory.hpp"
 
 using namespace std::chrono_literals;
@@ -108,12 +109,12 @@ TEST_CASE("redis options are validated before connecting", "[redis][options]") {
     change(o);
     CHECK_THROWS_AS(RedisStore(o), idem::invalid_options_error);
   };
-  bad([](RedisOptions& o) { o.pool_size = 0; });
+  bad([](RedisOptions& o) { o.pool.size = 0; });
   bad([](RedisOptions& o) { o.port = 0; });
   bad([](RedisOptions& o) { o.db = -1; });
   bad([](RedisOptions& o) { o.connect_timeout = 0ms; });
   bad([](RedisOptions& o) { o.command_timeout = -1ms; });
-  bad([](RedisOptions& o) { o.pool_wait = -1ms; });
+  bad([](RedisOptions& o) { o.pool.wait = -1ms; });
   bad([](RedisOptions& o) { o.host.clear(); });
   bad([](RedisOptions& o) { o.user = "u"; });
   bad([](RedisOptions& o) { o.key_prefix = "idem{:"; });
@@ -158,17 +159,17 @@ TEST_CASE("redis keys are binary-safe and stored under prefix + key", "[redis][k
 }
 
 TEST_CASE("redis cluster hash slots follow the hash-tag rules", "[redis][keys]") {
-  CHECK(RedisStore::hash_slot("123456789") == 0x31C3);  // CRC16/XMODEM check value
-  CHECK(RedisStore::hash_slot("{user1000}.following") == RedisStore::hash_slot("{user1000}.followers"));
-  CHECK(RedisStore::hash_slot("idem:{order-7}:a") == RedisStore::hash_slot("user1000-other{order-7}"));
-  CHECK(RedisStore::hash_slot("foo{}{bar}") == RedisStore::hash_slot("foo{}{bar}"));
-  CHECK(RedisStore::hash_slot("foo{}{bar}") != RedisStore::hash_slot("bar"));  // empty tag: whole key
-  CHECK(RedisStore::hash_slot("foo{{bar}}zap") == RedisStore::hash_slot("{bar"));
-  CHECK(RedisStore::hash_slot("foo{bar}{zap}") == RedisStore::hash_slot("bar"));
+  CHECK(idem::redis_hash_slot("123456789") == 0x31C3);  // CRC16/XMODEM check value
+  CHECK(idem::redis_hash_slot("{user1000}.following") == idem::redis_hash_slot("{user1000}.followers"));
+  CHECK(idem::redis_hash_slot("idem:{order-7}:a") == idem::redis_hash_slot("user1000-other{order-7}"));
+  CHECK(idem::redis_hash_slot("foo{}{bar}") == idem::redis_hash_slot("foo{}{bar}"));
+  CHECK(idem::redis_hash_slot("foo{}{bar}") != idem::redis_hash_slot("bar"));  // empty tag: whole key
+  CHECK(idem::redis_hash_slot("foo{{bar}}zap") == idem::redis_hash_slot("{bar"));
+  CHECK(idem::redis_hash_slot("foo{bar}{zap}") == idem::redis_hash_slot("bar"));
   // With the default prefix, a user's tag decides the slot, so related keys can share one.
   RedisStore store(server().options());
-  CHECK(RedisStore::hash_slot(store.redis_key("{cust-9}:charge")) ==
-        RedisStore::hash_slot(store.redis_key("{cust-9}:refund")));
+  CHECK(idem::redis_hash_slot(store.redis_key("{cust-9}:charge")) ==
+        idem::redis_hash_slot(store.redis_key("{cust-9}:refund")));
 }
 
 TEST_CASE("redis completed record with an empty result fits in 100 bytes", "[redis][memory]") {
@@ -219,8 +220,9 @@ TEST_CASE("redis scripts reload after SCRIPT FLUSH", "[redis][scripts]") {
   auto batch = store.acquire_batch(views, params(3));
   CHECK(batch[0].status == AcquireStatus::acquired);
   CHECK(batch[1].status == AcquireStatus::acquired);
-  CHECK(store.script_sha("acquire").size() == 40);
-  CHECK_THROWS_AS(store.script_sha("nope"), idem::usage_error);
+  // Only the script that met NOSCRIPT was loaded again, under the SHA1 of its generated file.
+  CHECK(server().command({"SCRIPT", "EXISTS", idem::test::generated_script_sha(server(), "acquire_batch")}) == "1");
+  CHECK(server().command({"SCRIPT", "EXISTS", idem::test::generated_script_sha(server(), "fail")}) == "0");
 }
 
 TEST_CASE("redis batch claim and complete", "[redis][batch]") {
@@ -294,7 +296,7 @@ TEST_CASE("redis store is move-only and a moved-from store says so", "[redis][ap
 
 TEST_CASE("redis guard end to end with fingerprints and a pool shared by threads", "[redis][guard]") {
   RedisOptions o = server().options();
-  o.pool_size = 2;  // fewer connections than threads: callers wait for a free one
+  o.pool.size = 2;  // fewer connections than threads: callers wait for a free one
   RedisStore store(o);
   idem::IdempotencyGuard guard(store, {.lease = 10s, .retention = 60s});
   const std::string ns = "guard-" + idem::test::random_hex() + ":";

@@ -21,14 +21,13 @@
 
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
-#include "idem/redis.hpp"
 
 namespace {
 
 idem::RedisStore connect(const char* port) {
   idem::RedisOptions o;
   o.port = std::atoi(port);
-  o.pool_size = 2;
+  o.pool.size = 2;
   o.command_timeout = idem::millis{5000};
   return idem::RedisStore(o);
 }
@@ -103,10 +102,7 @@ int ordered_run(idem::RedisStore& store, Seq& seqs, const std::string& ns, int e
 
 int ordered(char** argv) {
   idem::RedisStore store = connect(argv[2]);
-  idem::RedisOptions o;
-  o.port = std::atoi(argv[2]);
-  o.pool_size = 2;
-  idem::RedisSequenceStore seqs(o);
+  idem::RedisSequenceStore seqs(store);
   if (std::string(argv[6]) == "1") return ordered_run(store, seqs, argv[3], std::atoi(argv[4]), std::atoi(argv[5]));
   TwoStep two{&seqs};
   return ordered_run(store, two, argv[3], std::atoi(argv[4]), std::atoi(argv[5]));

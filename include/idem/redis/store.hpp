@@ -1,5 +1,5 @@
 #pragma once
-/// @file redis_store.hpp RedisStore: the StateStore on a Redis server, one Lua script per transition.
+/// @file redis/store.hpp RedisStore: the StateStore on a Redis server, one Lua script per transition.
 
 #include <cstddef>
 #include <cstdint>
@@ -10,49 +10,12 @@
 #include <string_view>
 #include <vector>
 
-#include "idem/core/observer.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
+#include "idem/redis/client.hpp"
+#include "idem/redis/options.hpp"
 
 namespace idem {
-
-/// Options of RedisStore. Every duration is in milliseconds; docs/redis.md explains each choice.
-struct RedisOptions {
-  /// `redis://[user[:password]@]host[:port][/db]` or `unix://[user[:password]@]/path[?db=N]`
-  /// (user and password percent-decoded); when set it overrides host, port, unix_socket, user,
-  /// password and db. Empty = use those fields. `rediss://` is refused: hiredis is built without TLS.
-  std::string url;
-  /// Server host name or address, used when unix_socket is empty.
-  std::string host = "127.0.0.1";
-  /// Server TCP port, 1..65535.
-  int port = 6379;
-  /// Path of the server's Unix socket; non-empty = connect there instead of host:port.
-  std::string unix_socket;
-  /// ACL user name (Redis 6+); empty = the `default` user (AUTH with the password alone).
-  std::string user;
-  /// Password for AUTH; empty = no AUTH.
-  std::string password;
-  /// Logical database index (SELECT), >= 0.
-  int db = 0;
-  /// Prepended to every idempotency key. No braces unless it is one whole `{tag}`, which pins every
-  /// key to one cluster slot; without braces, a `{tag}` inside a user key decides the slot.
-  std::string key_prefix = "idem:";
-  /// Bound on establishing a connection (TCP connect); > 0.
-  millis connect_timeout{1'000};
-  /// Bound on one command's send and reply; > 0. A timed-out call throws timeout_error, retryable.
-  millis command_timeout{1'000};
-  /// Most connections kept open; each in-flight call holds one. > 0. Match the calling threads.
-  std::size_t pool_size = 8;
-  /// How long a call waits for a free connection when all pool_size are busy (0 = fail at once).
-  millis pool_wait{1'000};
-  /// Read `maxmemory-policy` at construction and warn through observer when it can evict keys.
-  bool check_eviction_policy = true;
-  /// Receives store advisories (on_warning); null = none.
-  std::shared_ptr<Observer> observer;
-};
-
-/// Parses a `redis://` or `unix://` URL onto `base`; throws invalid_options_error naming the flaw.
-RedisOptions parse_redis_url(std::string_view url, RedisOptions base = {});
 
 /// One item of RedisStore::complete_batch: the key, the holder acquire returned, and the result.
 struct CompleteItem {
@@ -62,9 +25,11 @@ struct CompleteItem {
 };
 
 /**
- * StateStore on a Redis server (hiredis). Each transition is one Lua script run with EVALSHA —
+ * StateStore on a Redis server. Each transition is one Lua script run with EVALSHA —
  * one round trip, atomic on the server, timed by the server's `TIME` — and the scripts reload
- * themselves after `SCRIPT FLUSH` or a restart. Thread-safe (a connection pool), move-only.
+ * themselves after `SCRIPT FLUSH` or a restart. A thin object over a RedisClient (its own, or one
+ * shared with other stores; client() gives it). Thread-safe, move-only (a moved-from store throws
+ * usage_error).
  * Errors fail closed: connection_error / timeout_error (retryable), capacity_error (OOM under
  * noeviction), store_error with the Redis error prefix as code(), corrupt_record_error.
  *
@@ -74,18 +39,16 @@ struct CompleteItem {
  * auto out = guard.run(msg.id, [&] { return handle(msg); });
  * @endcode
  */
-class RedisStore {
+class RedisStore : public detail::redis::ClientHandle {
 public:
-  /// Connects once (to fail fast), loads the scripts and checks the eviction policy.
-  /// Throws invalid_options_error, connection_error / timeout_error, or store_error (e.g. WRONGPASS).
+  /// Builds its own RedisClient (connects once to fail fast, loads the scripts), then checks the
+  /// eviction policy. Throws invalid_options_error, connection_error / timeout_error, or
+  /// store_error (e.g. WRONGPASS).
   explicit RedisStore(RedisOptions options = {});
-  ~RedisStore();                                      ///< Closes every pooled connection.
-  RedisStore(RedisStore&&) noexcept;                  ///< Movable; the moved-from store throws usage_error.
-  RedisStore& operator=(RedisStore&&) noexcept;       ///< Movable; not copyable.
-  RedisStore(const RedisStore&) = delete;             ///< A pool has one owner.
-  RedisStore& operator=(const RedisStore&) = delete;  ///< A pool has one owner.
+  /// A store over a client shared with other stores (e.g. a RedisSequenceStore); checks the eviction policy.
+  explicit RedisStore(std::shared_ptr<RedisClient> client);
 
-  /// Atomic acquire of DESIGN §1 in one round trip; see AcquireStatus for the outcomes.
+  /// Atomic acquire in one round trip; see AcquireStatus for the outcomes.
   AcquireResult acquire(std::string_view key, const AcquireParams& p);
   /// Records the result if `h` still holds the key; else lease_lost and nothing changes.
   WriteStatus complete(std::string_view key, const Holder& h, std::string_view result, millis retention);
@@ -105,22 +68,11 @@ public:
   /// Completes many keys in one round trip (as acquire_batch); statuses in item order.
   std::vector<WriteStatus> complete_batch(std::span<const CompleteItem> items, millis retention);
 
-  /// The Redis key that holds `key`'s record: key_prefix + key (binary-safe).
+  /// Operational diagnostics: the Redis key that holds `key`'s record (key_prefix + key,
+  /// binary-safe), for redis-cli.
   [[nodiscard]] std::string redis_key(std::string_view key) const;
-  /// Redis Cluster slot (CRC16 of the `{hash tag}` if any, else of the whole key) of a Redis key.
-  [[nodiscard]] static std::uint16_t hash_slot(std::string_view redis_key) noexcept;
-  /// SHA1 of a script (`acquire`, `complete`, `fail`, `extend`, `inspect`, `acquire_batch`,
-  /// `complete_batch`), as EVALSHA wants it.
-  [[nodiscard]] std::string script_sha(std::string_view name) const;
   /// The server's `maxmemory-policy`, or "" when it cannot be read (e.g. CONFIG denied by ACL).
   [[nodiscard]] std::string eviction_policy();
-  /// The options in force (URL applied).
-  [[nodiscard]] const RedisOptions& options() const;
-
-private:
-  struct Impl;
-  Impl& impl() const;
-  std::unique_ptr<Impl> impl_;
 };
 
 static_assert(StateStore<RedisStore>);

@@ -6,7 +6,7 @@
 --   B  header: 0x80 (format v1) | state (1 in_progress, 2 completed, 3 failed) | 0x04 permanent
 --             | 0x10 has fingerprint | 0x20 has payload | generation width (0x08 and 0x40, below)
 --   generation: the fence, which is also the number of acquisitions; B, H, I4 or d by width
---   c8 token of the latest acquisition (the fence alone is not enough: see DESIGN.md)
+--   c8 token of the latest acquisition (the fence alone is not enough: see docs/design.md)
 --   in_progress only: d lease_until_ms, H owner length, owner bytes
 --   failed only:      d retry_at_ms
 --   0x10: H length, fingerprint bytes
@@ -120,7 +120,7 @@ end
 -- Retention `ret` stays the decimal string the client sent: SET takes it as is, math.max reads it
 -- as a number, and no number is formatted back to text on the hot path.
 
--- Acquire of one key (DESIGN.md section 1). Reply: {1 acquired, fence, takeover 0/1}
+-- Acquire of one key (docs/design.md, section 1). Reply: {1 acquired, fence, takeover 0/1}
 -- | {2 in_flight, attempts, retry_after ms} | {3 duplicate, attempts, result}
 -- | {4 previously_failed, attempts, error} | {5 mismatch, attempts}
 -- A batch passes `fresh`, the record of a new key (fence 1) encoded once for all its keys, and

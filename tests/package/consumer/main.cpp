@@ -1,10 +1,10 @@
-// A downstream project: it only knows find_package(idem) and the public headers.
+// A downstream project: it only knows find_package(idem) and the public headers (the umbrellas).
 #include <idem/idem.hpp>
 #ifdef CONSUMER_HAS_REDIS
-#include <idem/redis_store.hpp>
+#include <idem/redis.hpp>
 #endif
 #ifdef CONSUMER_HAS_POSTGRES
-#include <idem/postgres_store.hpp>
+#include <idem/postgres.hpp>
 #endif
 
 #include <cstdio>

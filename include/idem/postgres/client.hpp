@@ -1,0 +1,56 @@
+#pragma once
+/// @file postgres/client.hpp PostgresClient: the one connection to a PostgreSQL server that the
+/// PostgreSQL stores share (pool, session setup, error mapping), and its PostgresOptions.
+
+#include <memory>
+#include <string>
+
+#include "idem/core/pool_options.hpp"
+#include "idem/core/record.hpp"
+
+namespace idem {
+
+/// How a PostgresClient reaches the server. Durations are milliseconds.
+struct PostgresOptions {
+  /// libpq conninfo ("host=db port=5432 sslmode=verify-full") or URI ("postgresql://u@db/app");
+  /// every libpq parameter passes through; empty = libpq defaults and the PG* environment.
+  std::string conninfo;
+  /// The sessions every store of this client shares (idem/core/pool_options.hpp); wait 0 fails at once.
+  PoolOptions pool{.size = 8, .wait = millis{10'000}};
+  /// Session statement_timeout of pooled connections (store calls and handler writes); 0 = none.
+  millis statement_timeout{30'000};
+};
+
+namespace detail {
+class ClientImpl;
+struct ClientAccess;
+}  // namespace detail
+
+/**
+ * A pool of libpq sessions to one server, shared by the PostgresStore and PostgresSequenceStore
+ * built on it (so they reach the same server and database by construction). Thread-safe; hold it
+ * by std::shared_ptr. Connects lazily: the constructor only validates the options.
+ *
+ * @code
+ * auto client = std::make_shared<idem::PostgresClient>(idem::PostgresOptions{.conninfo = "postgresql://app@db/app"});
+ * idem::PostgresStore store{client, {.mode = idem::PostgresMode::transactional}};
+ * idem::PostgresSequenceStore seqs{client};
+ * @endcode
+ */
+class PostgresClient {
+ public:
+  /// Validates the options (invalid_options_error); opens sessions on first use.
+  explicit PostgresClient(PostgresOptions options = {});
+  ~PostgresClient();                                          ///< Closes the pooled sessions.
+  PostgresClient(const PostgresClient&) = delete;             ///< Shared by pointer, never copied.
+  PostgresClient& operator=(const PostgresClient&) = delete;  ///< Shared by pointer, never copied.
+
+  /// The options in force.
+  [[nodiscard]] const PostgresOptions& options() const noexcept;
+
+ private:
+  friend struct detail::ClientAccess;
+  std::unique_ptr<detail::ClientImpl> impl_;
+};
+
+}  // namespace idem

@@ -1,0 +1,77 @@
+#pragma once
+/// @file redis/client.hpp RedisClient: the one connection to a Redis server that RedisStore and
+/// RedisSequenceStore share (pool, handshake, scripts, error mapping).
+
+#include <memory>
+#include <string>
+
+#include "idem/redis/options.hpp"
+
+namespace idem {
+
+class RedisClient;
+
+namespace detail::redis {
+class Client;
+
+/// What every Redis store is: a share of one RedisClient. Move-only; a moved-from store throws usage_error.
+class ClientHandle {
+public:
+  /// The options in force (URL applied): the client's.
+  [[nodiscard]] const RedisOptions& options() const;
+  /// The client the store runs on, to build another store over it.
+  [[nodiscard]] const std::shared_ptr<RedisClient>& client() const;
+
+protected:
+  /// `owner` names the store in the moved-from message.
+  ClientHandle(std::shared_ptr<RedisClient> client, const char* owner);
+  ~ClientHandle();
+  ClientHandle(ClientHandle&&) noexcept;
+  ClientHandle& operator=(ClientHandle&&) noexcept;
+  ClientHandle(const ClientHandle&) = delete;
+  ClientHandle& operator=(const ClientHandle&) = delete;
+  /// The client's implementation; usage_error on a moved-from store.
+  [[nodiscard]] Client& impl() const;
+
+private:
+  std::shared_ptr<RedisClient> client_;
+  const char* owner_;
+};
+}  // namespace detail::redis
+
+/**
+ * A pool of connections to one Redis server with idem's Lua scripts loaded: what every Redis
+ * store runs on. Build it once and hand it to each store, so the idempotency store and the
+ * sequence store share one pool and are on the same server by construction:
+ *
+ * @code
+ * auto redis = std::make_shared<idem::RedisClient>(idem::RedisOptions{.url = "redis://127.0.0.1:6379/0"});
+ * idem::RedisStore store{redis};
+ * idem::RedisSequenceStore seqs{redis};
+ * @endcode
+ *
+ * The constructor checks the options (invalid_options_error naming the field), connects once,
+ * authenticates, selects the database and loads every script in one round trip, so a wrong
+ * address or password fails here and not on the first message (connection_error, timeout_error,
+ * store_error such as WRONGPASS). Thread-safe; neither copyable nor movable (share it through
+ * std::shared_ptr). Nothing it writes can raise SIGPIPE in the host process.
+ */
+class RedisClient {
+public:
+  /// Checks the options (URL applied), connects once and loads the scripts.
+  explicit RedisClient(RedisOptions options = {});
+  ~RedisClient();                                       ///< Closes every pooled connection.
+  RedisClient(const RedisClient&) = delete;             ///< One pool, one owner: share the client by pointer.
+  RedisClient& operator=(const RedisClient&) = delete;  ///< One pool, one owner.
+
+  /// The options in force (URL applied).
+  [[nodiscard]] const RedisOptions& options() const noexcept;
+  /// The server's `maxmemory-policy`, or "" when it cannot be read (e.g. CONFIG denied by ACL).
+  [[nodiscard]] std::string eviction_policy();
+
+private:
+  friend class detail::redis::ClientHandle;
+  std::unique_ptr<detail::redis::Client> impl_;
+};
+
+}  // namespace idem

@@ -1,0 +1,100 @@
+// PostgresClient: connect and set up sessions, the pool's health checks, statement-set ids.
+
+#include "client.hpp"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <utility>
+
+#include "idem/core/error.hpp"
+
+namespace idem {
+namespace detail {
+
+bool Connection::prepared(std::uint32_t set) const noexcept {
+  return std::find(sets.begin(), sets.end(), set) != sets.end();
+}
+
+ConnectionTraits::connection ConnectionTraits::connect() {
+  const char* keys[] = {"dbname", "fallback_application_name", nullptr};
+  const char* vals[] = {conninfo.c_str(), "idem", nullptr};
+  PGconn* raw = PQconnectdbParams(keys, vals, 1);
+  if (!raw) throw connection_error("idem: postgres: out of memory creating a connection", "08001", true);
+  auto c = std::make_unique<Connection>(raw);
+  if (PQstatus(raw) != CONNECTION_OK)
+    throw connection_error("idem: cannot connect to PostgreSQL: " + first_line(PQerrorMessage(raw)), "08001", true);
+  // Server notices (IF NOT EXISTS skips, ...) are not the caller's business: no stderr noise.
+  PQsetNoticeProcessor(
+      raw, [](void*, const char*) {}, nullptr);
+  const std::string set = "SET statement_timeout = " + std::to_string(statement_timeout.count());
+  exec_simple(raw, set.c_str(), "session setup");
+  return c;
+}
+
+bool ConnectionTraits::alive(connection& c) noexcept {
+  // An idle session has nothing to read: readable means the server ended it (restart, idle
+  // timeout, pg_terminate_backend left a FATAL message and EOF), so the pool replaces it before
+  // a statement is sent on it.
+  if (PQstatus(c->pg) != CONNECTION_OK) return false;
+  pollfd p{PQsocket(c->pg), POLLIN, 0};
+  int rc = 0;
+  do rc = ::poll(&p, 1, 0);
+  while (rc < 0 && errno == EINTR);
+  return rc == 0;
+}
+
+bool ConnectionTraits::reusable(connection& c) noexcept {
+  if (PQstatus(c->pg) != CONNECTION_OK) return false;
+  const auto ts = PQtransactionStatus(c->pg);
+  if (ts == PQTRANS_IDLE) return true;
+  if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR) return false;
+  PGresult* r = PQexec(c->pg, "ROLLBACK");  // a transaction given back open (or failed) ends here
+  const bool ok = result_ok(r);
+  PQclear(r);
+  return ok;
+}
+
+namespace {
+PostgresOptions checked(PostgresOptions o) {
+  check_pool_options(o.pool, "PostgresOptions");
+  if (o.statement_timeout < millis{0})
+    throw invalid_options_error("idem: PostgresOptions::statement_timeout must be >= 0 (0 = no limit)");
+  if (o.conninfo.find('\0') != std::string::npos)
+    throw invalid_options_error("idem: PostgresOptions::conninfo contains a NUL byte");
+  return o;
+}
+}  // namespace
+
+ClientImpl::ClientImpl(PostgresOptions options)
+    : opt_(checked(std::move(options))),
+      pool_(opt_.pool, ConnectionTraits{opt_.conninfo, opt_.statement_timeout}, "PostgreSQL") {}
+
+std::uint32_t ClientImpl::statement_set(const std::string& key) {
+  std::lock_guard lk(sets_mu_);
+  return sets_.try_emplace(key, static_cast<std::uint32_t>(sets_.size() + 1)).first->second;
+}
+
+ClientImpl& ClientAccess::of(const std::shared_ptr<PostgresClient>& c, const char* owner) {
+  if (!c) throw invalid_options_error(std::string("idem: ") + owner + " needs a PostgresClient, got a null pointer");
+  return *c->impl_;
+}
+
+void exec_simple(PGconn* c, const char* sql, std::string_view what, const MissingSchemaHint& missing) {
+  PostgresResult r = ResultAccess::wrap(PQexec(c, sql));
+  if (!result_ok(ResultAccess::native(r))) throw_result(what, ResultAccess::native(r), c, missing);
+}
+
+PostgresResult exec_text(PGconn* c, const std::string& sql, const char* const* values, int n) {
+  return ResultAccess::wrap(PQexecParams(c, sql.c_str(), n, nullptr, values, nullptr, nullptr, 0));
+}
+
+}  // namespace detail
+
+PostgresClient::PostgresClient(PostgresOptions options)
+    : impl_(std::make_unique<detail::ClientImpl>(std::move(options))) {}
+PostgresClient::~PostgresClient() = default;
+const PostgresOptions& PostgresClient::options() const noexcept { return impl_->options(); }
+
+}  // namespace idem

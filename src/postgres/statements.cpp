@@ -1,0 +1,122 @@
+// PostgresStore's prepared statements: their SQL, and their preparation on each pooled session
+// (after the schema exists, since they call its functions).
+
+#include <string>
+
+#include "store_impl.hpp"
+
+namespace idem::detail {
+
+namespace {
+
+void prepare_one(PGconn* c, const std::string& name, const std::string& sql, int nparams) {
+  PostgresResult r = ResultAccess::wrap(PQprepare(c, name.c_str(), sql.c_str(), nparams, nullptr));
+  if (!result_ok(ResultAccess::native(r))) throw_result("prepare " + name, ResultAccess::native(r), c, store_missing);
+}
+
+}  // namespace
+
+void StoreImpl::prepare_all(PGconn* c) const {
+  const std::string fn = qs + ".";
+  const std::string clock_ms = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS ms";
+  const std::string now = "(SELECT " + clock_ms + ") c";
+  const std::string holder = "t.key = $1 AND t.state = 1 AND t.fence = $2 AND t.token = $3 AND t.expires_at > c.ms";
+  // Both acquire statements: a new key is settled by this INSERT alone; only an existing key pays
+  // for the plpgsql decision function (a one-time filter on `ins` keeps it from running otherwise).
+  const std::string insert_new =
+      "ins AS (INSERT INTO " + qt +
+      " (key, state, fence, token, attempts, lease_until, expires_at, purge_after, owner, fingerprint) "
+      "SELECT $1, 1, 1, $5, 1, cfg.ms + $3, cfg.ms + $4, (cfg.ms + $4 + 999) / 1000 * 1000, $6, $2 "
+      "FROM cfg ON CONFLICT (key) DO NOTHING RETURNING 1 AS one)";
+  const std::string acquire_fn = fn + quote_ident(opt.table + "_acquire");
+  // The claim of a transaction: cfg sets the claim's lock_timeout before the INSERT can wait on a
+  // concurrent claim; fin puts the caller's back (claiming transactions only: $8 <> '') and sets
+  // the idle timeout.
+  prepare_one(c, names[kAcquire],
+              "WITH cfg AS MATERIALIZED (SELECT current_setting('lock_timeout') AS saved, "
+              "set_config('lock_timeout', $7, true) AS lt, " +
+                  clock_ms + "), " + insert_new +
+                  ", fin AS MATERIALIZED (SELECT CASE WHEN $8 <> '' THEN set_config('lock_timeout', cfg.saved, true) "
+                  "END AS a, "
+                  "CASE WHEN $8 NOT IN ('', '-') THEN set_config('idle_in_transaction_session_timeout', $8, true) END "
+                  "AS b FROM cfg, ins) "
+                  "SELECT 0::smallint, 1::bigint, false, 1, 0::bigint, ''::bytea FROM fin "
+                  "UNION ALL "
+                  "SELECT f.o_status, f.o_fence, f.o_takeover, f.o_attempts, f.o_retry_after, f.o_payload FROM cfg, " +
+                  acquire_fn + "($1, $2, $3, $4, $5, $6, $7, $8, cfg.saved) f WHERE NOT EXISTS (SELECT 1 FROM ins)",
+              8);
+  // acquire in lease mode ($8 = '' always; an implicit transaction of its own): the decisions
+  // of kAcquire with what only a claiming transaction needs left out, because the executor sets
+  // up every node of a statement on each call, run or not. Nothing to put back (kAcquire's fin
+  // is a no-op when $8 = '', and the function restores lock_timeout only when p_idle_timeout is
+  // not ''), and no row for a new key: zero rows means the INSERT took the key (fence 1, attempts
+  // 1; see decode_acquire_lease), since the function, when called, returns exactly one row or
+  // raises. The function is called from the target list of a one-row subquery (OFFSET 0 keeps it
+  // from being flattened, so it runs at most once), cheaper to set up than a function scan; the
+  // uncorrelated NOT EXISTS is a one-time filter, so it runs only when the INSERT found the key.
+  prepare_one(
+      c, names[kAcquireLease],
+      "WITH cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, " + clock_ms + "), " + insert_new +
+          " SELECT (d).o_status, (d).o_fence, (d).o_takeover, (d).o_attempts, (d).o_retry_after, "
+          "(d).o_payload FROM (SELECT " +
+          acquire_fn + "($1, $2, $3, $4, $5, $6, $7, $8, NULL) AS d WHERE NOT EXISTS (SELECT 1 FROM ins) OFFSET 0) s",
+      8);
+  prepare_one(c, names[kComplete],
+              "UPDATE " + qt +
+                  " t SET state = 2, result = $4, lease_until = 0, expires_at = c.ms + $5, "
+                  "purge_after = (c.ms + $5 + 999) / 1000 * 1000 FROM " +
+                  now + " WHERE " + holder,
+              5);
+  prepare_one(c, names[kFail],
+              "UPDATE " + qt +
+                  " t SET state = 3, error = $4, lease_until = 0, permanent = $5, retry_at = c.ms + $6, "
+                  "expires_at = c.ms + $7, purge_after = (c.ms + $7 + 999) / 1000 * 1000 FROM " +
+                  now + " WHERE " + holder,
+              7);
+  prepare_one(c, names[kExtend],
+              "UPDATE " + qt +
+                  " t SET lease_until = c.ms + $4, expires_at = greatest(t.expires_at, c.ms + $4), "
+                  "purge_after = (greatest(t.expires_at, c.ms + $4) + 999) / 1000 * 1000 FROM " +
+                  now + " WHERE " + holder,
+              4);
+  prepare_one(c, names[kInspect],
+              "SELECT state, fence, token, owner, lease_until, retry_at, attempts, permanent, fingerprint, result, "
+              "error FROM " +
+                  qt + " t, " + now + " WHERE t.key = $1 AND t.expires_at > c.ms",
+              1);
+  prepare_one(c, names[kPurge],
+              "DELETE FROM " + qt + " d WHERE d.key IN (SELECT t.key FROM " + qt + " t, " + now +
+                  " WHERE t.purge_after <= c.ms LIMIT $1 FOR UPDATE OF t SKIP LOCKED)",
+              1);
+  // tx_complete travels in one pipeline with COMMIT, so it must fail, not match nothing, when the
+  // claim is gone: 1 / count(*) raises division_by_zero (22012) on zero rows, and COMMIT then
+  // rolls back instead of committing business writes without their record.
+  prepare_one(c, names[kTxComplete],
+              "WITH u AS (UPDATE " + qt +
+                  " t SET state = 2, result = $4, lease_until = 0, expires_at = c.ms + $5, "
+                  "purge_after = (c.ms + $5 + 999) / 1000 * 1000 FROM " +
+                  now +
+                  " WHERE t.key = $1 AND t.state = 1 AND t.fence = $2 AND t.token = $3 RETURNING 1) "
+                  "SELECT 1 / count(*)::int FROM u",
+              5);
+  prepare_one(c, names[kRecordFailure],
+              "SELECT o_written FROM " + fn + quote_ident(opt.table + "_record_failure") +
+                  "($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+              11);
+}
+
+void StoreImpl::prepare(Connection& c) {
+  if (c.prepared(statement_set)) return;
+  if (opt.auto_migrate) ensure_migrated(c.pg);
+  prepare_all(c.pg);
+  c.sets.push_back(statement_set);
+}
+
+PostgresResult StoreImpl::run(Session& s, Stmt st, const Params& p, std::string_view what) {
+  PostgresResult r =
+      ResultAccess::wrap(PQexecPrepared(s.pg(), names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1));
+  if (!result_ok(ResultAccess::native(r))) throw_result(what, ResultAccess::native(r), s.pg(), store_missing);
+  return r;
+}
+
+}  // namespace idem::detail

@@ -1,0 +1,265 @@
+// PostgresStore's lease-mode transitions: each one prepared statement on a pooled session,
+// decoded from PostgreSQL's binary format.
+
+#include <algorithm>
+#include <utility>
+
+#include "idem/core/error.hpp"
+#include "idem/detail/validate.hpp"
+#include "store_impl.hpp"
+
+namespace idem {
+namespace detail {
+
+namespace {
+
+constexpr std::array<const char*, kStatementCount> statement_suffixes{
+    "acquire", "acquire_lease", "complete", "fail", "extend", "inspect", "purge", "tx_complete", "record_failure"};
+
+PostgresStoreOptions checked(PostgresStoreOptions o) {
+  if (!valid_identifier(o.schema, 63) || o.schema.rfind("pg_", 0) == 0)
+    throw invalid_options_error("idem: PostgresStoreOptions::schema '" + o.schema.substr(0, 80) +
+                                "' is not a plain identifier; use [a-z_][a-z0-9_]* (max 63, not pg_*)");
+  if (!valid_identifier(o.table, 40))
+    throw invalid_options_error("idem: PostgresStoreOptions::table '" + o.table.substr(0, 80) +
+                                "' is not a plain identifier; use [a-z_][a-z0-9_]* (max 40)");
+  if (o.lock_timeout <= millis{0})
+    throw invalid_options_error(
+        "idem: PostgresStoreOptions::lock_timeout must be > 0; it bounds how long a duplicate waits");
+  if (o.isolation != "read committed" && o.isolation != "repeatable read" && o.isolation != "serializable")
+    throw invalid_options_error(
+        "idem: PostgresStoreOptions::isolation must be \"read committed\", "
+        "\"repeatable read\" or \"serializable\"");
+  return o;
+}
+
+// kAcquireLease answers a new key with no row at all (the INSERT took it) and any other decision
+// with the function's one row.
+AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token) {
+  if (PQntuples(r) != 0 || PQnfields(r) != 6) return decode_acquire(r, token);
+  AcquireResult a;
+  a.status = AcquireStatus::acquired;
+  a.attempts = 1;
+  a.holder = {1, token};
+  return a;
+}
+
+std::uint64_t as_u64(std::int64_t v) { return static_cast<std::uint64_t>(v); }
+
+}  // namespace
+
+std::string clean_owner(std::string_view o) {
+  std::string s(o.substr(0, 200));
+  for (char& ch : s)
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) > 0x7e) ch = '?';
+  return s;
+}
+
+Params& Params::bin(std::string_view v) {
+  vals_[n_] = v.data() ? v.data() : "";
+  lens_[n_] = static_cast<int>(v.size());
+  fmts_[n_] = 1;
+  ++n_;
+  return *this;
+}
+
+Params& Params::text(std::string v) {
+  store_[n_] = std::move(v);
+  vals_[n_] = store_[n_].c_str();
+  lens_[n_] = 0;
+  fmts_[n_] = 0;
+  ++n_;
+  return *this;
+}
+
+std::int64_t be_int(const PGresult* r, int row, int col, int bytes) {
+  if (PQgetisnull(r, row, col) || PQgetlength(r, row, col) != bytes)
+    throw corrupt_record_error("idem: postgres returned an unreadable value in column " + std::string(PQfname(r, col)));
+  const auto* p = reinterpret_cast<const unsigned char*>(PQgetvalue(r, row, col));
+  std::uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v = (v << 8) | p[i];
+  if (bytes < 8 && (p[0] & 0x80)) v |= ~std::uint64_t{0} << (8 * bytes);  // sign-extend
+  return static_cast<std::int64_t>(v);
+}
+
+std::string bytes_of(const PGresult* r, int row, int col) {
+  if (PQgetisnull(r, row, col))
+    throw corrupt_record_error("idem: postgres returned NULL in column " + std::string(PQfname(r, col)));
+  return std::string(PQgetvalue(r, row, col), static_cast<std::size_t>(PQgetlength(r, row, col)));
+}
+
+AcquireResult decode_acquire(const PGresult* r, std::uint64_t token) {
+  if (PQntuples(r) != 1 || PQnfields(r) != 6)
+    throw corrupt_record_error("idem: postgres acquire returned an unexpected shape");
+  AcquireResult a;
+  const auto st = be_int(r, 0, 0, 2);
+  if (st < 0 || st > 4) throw corrupt_record_error("idem: postgres acquire returned status " + std::to_string(st));
+  a.status = static_cast<AcquireStatus>(st);
+  a.takeover = bool_of(r, 0, 2);
+  a.attempts = static_cast<std::uint32_t>(be_int(r, 0, 3, 4));
+  a.retry_after = millis{std::max<std::int64_t>(0, be_int(r, 0, 4, 8))};
+  a.payload = bytes_of(r, 0, 5);
+  if (a.status == AcquireStatus::acquired) a.holder = {as_u64(be_int(r, 0, 1, 8)), token};
+  return a;
+}
+
+StoreImpl::StoreImpl(std::shared_ptr<PostgresClient> c, PostgresStoreOptions o)
+    : client_ptr(std::move(c)),
+      client(ClientAccess::of(client_ptr, "PostgresStore")),
+      opt(checked(std::move(o))),
+      qs(quote_ident(opt.schema)),
+      qt(qs + "." + quote_ident(opt.table)),
+      begin_sql("BEGIN ISOLATION LEVEL " + opt.isolation),
+      lock_timeout_text(std::to_string(opt.lock_timeout.count())),
+      statement_set(client.statement_set(qt)) {
+  for (std::size_t i = 0; i < names.size(); ++i)
+    names[i] = "idem" + std::to_string(statement_set) + "_" + statement_suffixes[i];
+}
+
+Params StoreImpl::acquire_params(std::string_view key, const AcquireParams& ap, const std::string& owner,
+                                 bool tx) const {
+  Params p;
+  p.bin(key).bin(ap.fingerprint).num(ap.lease.count()).num(ap.retention.count()).num(as_i64(ap.token));
+  p.text(owner).text(lock_timeout_text);
+  p.text(!tx ? std::string() : opt.idle_timeout_is_lease ? std::to_string(ap.lease.count()) : std::string("-"));
+  return p;
+}
+
+AcquireResult StoreImpl::lock_busy(const AcquireParams& ap) {
+  AcquireResult a;
+  a.status = AcquireStatus::in_flight;
+  a.retry_after = ap.lease;
+  return a;
+}
+
+// A pooled session ready for the store's statements.
+class Ready : public Session {
+ public:
+  explicit Ready(StoreImpl& s) : Session(s.client.pool()) {
+    try {
+      s.prepare(*get());
+    } catch (...) {
+      healthy(false);
+      throw;
+    }
+  }
+};
+
+}  // namespace detail
+
+using detail::Params;
+using detail::Ready;
+using detail::ResultAccess;
+
+PostgresStore::PostgresStore(PostgresOptions options, PostgresStoreOptions store)
+    : PostgresStore(std::make_shared<PostgresClient>(std::move(options)), std::move(store)) {}
+PostgresStore::PostgresStore(std::shared_ptr<PostgresClient> client, PostgresStoreOptions store)
+    : impl_(std::make_unique<detail::StoreImpl>(std::move(client), std::move(store))) {}
+PostgresStore::~PostgresStore() = default;
+PostgresStore::PostgresStore(PostgresStore&&) noexcept = default;
+PostgresStore& PostgresStore::operator=(PostgresStore&&) noexcept = default;
+
+bool PostgresStore::transactional() const noexcept { return impl_->opt.mode == PostgresMode::transactional; }
+const PostgresStoreOptions& PostgresStore::options() const noexcept { return impl_->opt; }
+const std::shared_ptr<PostgresClient>& PostgresStore::client() const noexcept { return impl_->client_ptr; }
+const std::string& PostgresStore::qualified_table() const noexcept { return impl_->qt; }
+
+void PostgresStore::migrate() { impl_->migrate(); }
+
+AcquireResult PostgresStore::acquire(std::string_view key, const AcquireParams& ap) {
+  detail::check_acquire(key, ap);
+  detail::check_key(key, detail::max_pg_key_bytes);
+  Ready s(*impl_);
+  Params p = impl_->acquire_params(key, ap, detail::clean_owner(ap.owner), false);
+  PostgresResult r = ResultAccess::wrap(PQexecPrepared(s.pg(), impl_->names[detail::kAcquireLease].c_str(), p.size(),
+                                                       p.values(), p.lengths(), p.formats(), 1));
+  const PGresult* res = ResultAccess::native(r);
+  if (!detail::result_ok(res)) {
+    if (detail::sqlstate_of(res) == "55P03") return detail::StoreImpl::lock_busy(ap);
+    detail::throw_result("acquire", res, s.pg(), detail::store_missing);
+  }
+  return detail::decode_acquire_lease(res, ap.token);
+}
+
+WriteStatus PostgresStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+  detail::check_holder(key, h);
+  detail::check_lease(retention, "retention");
+  Ready s(*impl_);
+  Params p;
+  p.bin(key).num(detail::as_i64(h.fence)).num(detail::as_i64(h.token)).bin(result).num(retention.count());
+  return impl_->run(s, detail::kComplete, p, "complete").affected() == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+}
+
+WriteStatus PostgresStore::fail(std::string_view key, const Holder& h, const FailParams& f) {
+  detail::check_holder(key, h);
+  detail::check_lease(f.retention, "retention");
+  Ready s(*impl_);
+  Params p;
+  p.bin(key).num(detail::as_i64(h.fence)).num(detail::as_i64(h.token)).bin(f.error);
+  p.boolean(!f.release && f.permanent).num(f.release ? 0 : std::max<std::int64_t>(0, f.backoff.count()));
+  p.num(f.retention.count());
+  return impl_->run(s, detail::kFail, p, "fail").affected() == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+}
+
+WriteStatus PostgresStore::extend(std::string_view key, const Holder& h, millis lease) {
+  detail::check_holder(key, h);
+  detail::check_lease(lease);
+  Ready s(*impl_);
+  Params p;
+  p.bin(key).num(detail::as_i64(h.fence)).num(detail::as_i64(h.token)).num(lease.count());
+  return impl_->run(s, detail::kExtend, p, "extend").affected() == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+}
+
+std::optional<Record> PostgresStore::inspect(std::string_view key) {
+  detail::check_key(key, static_cast<std::size_t>(-1));
+  Ready s(*impl_);
+  Params p;
+  p.bin(key);
+  PostgresResult r = impl_->run(s, detail::kInspect, p, "inspect");
+  if (r.rows() == 0) return std::nullopt;
+  const PGresult* res = ResultAccess::native(r);
+  using detail::be_int;
+  Record rec;
+  const auto st = be_int(res, 0, 0, 2);
+  if (st < 1 || st > 3)
+    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has state " +
+                               std::to_string(st));
+  rec.state = static_cast<State>(st);
+  rec.holder = {detail::as_u64(be_int(res, 0, 1, 8)), detail::as_u64(be_int(res, 0, 2, 8))};
+  rec.owner = detail::bytes_of(res, 0, 3);
+  rec.lease_until_ms = be_int(res, 0, 4, 8);
+  rec.retry_at_ms = be_int(res, 0, 5, 8);
+  const auto attempts = be_int(res, 0, 6, 4);
+  if (rec.holder.fence == 0 || attempts < 1 || static_cast<std::int64_t>(rec.holder.fence) < 0)
+    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has fence " +
+                               std::to_string(static_cast<std::int64_t>(rec.holder.fence)) + " and attempts " +
+                               std::to_string(attempts));
+  rec.attempts = static_cast<std::uint32_t>(attempts);
+  rec.permanent = detail::bool_of(res, 0, 7);
+  rec.fingerprint = detail::bytes_of(res, 0, 8);
+  rec.result = detail::bytes_of(res, 0, 9);
+  rec.error = detail::bytes_of(res, 0, 10);
+  return rec;
+}
+
+std::size_t PostgresStore::purge_expired(std::size_t batch, std::size_t max_batches) {
+  if (batch == 0) throw invalid_options_error("idem: purge_expired batch must be > 0");
+  std::size_t total = 0;
+  Ready s(*impl_);
+  for (std::size_t i = 0; i < max_batches; ++i) {
+    Params p;
+    p.num(static_cast<std::int64_t>(batch));
+    const std::uint64_t n = impl_->run(s, detail::kPurge, p, "purge").affected();
+    total += n;
+    if (n < batch) break;
+  }
+  return total;
+}
+
+PostgresStore::Transaction PostgresStore::begin(std::string_view key, const AcquireParams& ap) {
+  detail::check_acquire(key, ap);
+  detail::check_key(key, detail::max_pg_key_bytes);
+  return impl_->begin(key, ap);
+}
+
+}  // namespace idem

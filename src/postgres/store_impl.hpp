@@ -1,0 +1,112 @@
+#pragma once
+// Internal to idem_postgres: what is behind PostgresStore — its prepared statements, the binary
+// parameters and decoders of those statements, migration, and the transactional-mode claim.
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "client.hpp"
+#include "idem/postgres/store.hpp"
+
+namespace idem::detail {
+
+extern const char* const pg_schema_v1_sql;  // generated from schema_v1.sql at build time
+
+inline constexpr MissingSchemaHint store_missing{
+    "; the idem schema is missing: call PostgresStore::migrate() or set auto_migrate", true};
+
+// Keys sit in a btree whose entries must stay below ~2.7 kB; longer keys are refused up front
+// with a typed error rather than by the server halfway through a transition.
+inline constexpr std::size_t max_pg_key_bytes = 2048;
+
+// Parameters of our prepared statements: bytea in binary (keys are arbitrary bytes), the rest as text.
+class Params {
+ public:
+  Params& bin(std::string_view v);
+  Params& text(std::string v);
+  Params& num(std::int64_t v) { return text(std::to_string(v)); }
+  Params& boolean(bool v) { return text(v ? "t" : "f"); }
+  [[nodiscard]] int size() const { return n_; }
+  [[nodiscard]] const char* const* values() const { return vals_.data(); }
+  [[nodiscard]] const int* lengths() const { return lens_.data(); }
+  [[nodiscard]] const int* formats() const { return fmts_.data(); }
+
+ private:
+  static constexpr int cap = 12;
+  std::array<std::string, cap> store_{};
+  std::array<const char*, cap> vals_{};
+  std::array<int, cap> lens_{};
+  std::array<int, cap> fmts_{};
+  int n_ = 0;
+};
+
+// Binary-format decoding of the values our own statements return; a length that does not fit
+// the type means the row (or the function) is not what we wrote, which must fail closed.
+std::int64_t be_int(const PGresult* r, int row, int col, int bytes);
+std::string bytes_of(const PGresult* r, int row, int col);
+inline bool bool_of(const PGresult* r, int row, int col) { return be_int(r, row, col, 1) != 0; }
+AcquireResult decode_acquire(const PGresult* r, std::uint64_t token);
+
+// Owner ids are diagnostics in a text column; bytes that are not printable ASCII (or NUL, which
+// text cannot hold) become '?', so an odd hostname can never make acquire fail.
+std::string clean_owner(std::string_view o);
+
+inline std::int64_t as_i64(std::uint64_t v) { return static_cast<std::int64_t>(v); }
+
+// The prepared statements of a store, by index into StoreImpl::names.
+enum Stmt : std::size_t {
+  kAcquire,       // transactional-mode claim (begin)
+  kAcquireLease,  // lease mode (acquire): $8 is always ''
+  kComplete,
+  kFail,
+  kExtend,
+  kInspect,
+  kPurge,
+  kTxComplete,
+  kRecordFailure,
+  kStatementCount
+};
+
+class StoreImpl {
+ public:
+  StoreImpl(std::shared_ptr<PostgresClient> client, PostgresStoreOptions options);
+
+  // statements.cpp: prepares this store's statements on a pooled session (migrating the schema
+  // first when auto_migrate). On failure some may be prepared: the caller must drop the session.
+  void prepare(Connection& c);
+  // Runs prepared statement `st`; throws the mapped error.
+  PostgresResult run(Session& s, Stmt st, const Params& p, std::string_view what);
+
+  // migrate.cpp
+  void migrate();
+  void ensure_migrated(PGconn* c);
+
+  // transaction.cpp
+  PostgresStore::Transaction begin(std::string_view key, const AcquireParams& ap);
+
+  Params acquire_params(std::string_view key, const AcquireParams& ap, const std::string& owner, bool tx) const;
+  // A row lock held by another transaction (a transactional-mode holder): its lease end is not
+  // visible, so the caller is told to come back after at most one lease.
+  static AcquireResult lock_busy(const AcquireParams& ap);
+
+  std::shared_ptr<PostgresClient> client_ptr;
+  ClientImpl& client;
+  PostgresStoreOptions opt;
+  std::string qs, qt, begin_sql, lock_timeout_text;
+  std::uint32_t statement_set;
+  std::array<std::string, kStatementCount> names;  // on the server, unique per statement set
+
+ private:
+  void migrate_on(PGconn* c);
+  void prepare_all(PGconn* c) const;
+
+  std::mutex migrate_mu_;
+  bool migrated_ = false;
+};
+
+}  // namespace idem::detail

@@ -1,0 +1,225 @@
+// PostgresStore's transactional mode: the claim opens a transaction (BEGIN and the claim in one
+// pipeline) that the handler writes through, and its completion commits in the same pipeline as
+// COMMIT, so the record and the handler's writes commit together or not at all.
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "idem/core/error.hpp"
+#include "idem/detail/validate.hpp"
+#include "store_impl.hpp"
+
+namespace idem {
+namespace detail {
+
+namespace {
+
+// Reads `n` query results and the sync of a pipeline; false when the connection broke.
+bool read_pipeline(PGconn* c, PostgresResult* out, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    PGresult* r = PQgetResult(c);
+    if (!r) return false;
+    out[i] = ResultAccess::wrap(r);
+    // Each query's results end with a null; a second non-null would be a protocol surprise.
+    for (int guard = 0; guard < 4; ++guard) {
+      PGresult* extra = PQgetResult(c);
+      if (!extra) break;
+      PQclear(extra);
+    }
+    if (PQstatus(c) != CONNECTION_OK) return false;
+  }
+  PGresult* s = PQgetResult(c);
+  const bool synced = s && PQresultStatus(s) == PGRES_PIPELINE_SYNC;
+  PQclear(s);
+  return synced && PQstatus(c) == CONNECTION_OK;
+}
+
+}  // namespace
+
+PostgresStore::Transaction StoreImpl::begin(std::string_view key, const AcquireParams& ap) {
+  PostgresStore::Transaction tx;
+  tx.store_ = this;
+  const std::string owner = clean_owner(ap.owner);
+  auto conn = client.pool().checkout();
+  PGconn* c = conn->pg;
+  bool healthy = true;
+  try {
+    prepare(*conn);
+    Params p = acquire_params(key, ap, owner, true);
+    // BEGIN and the claim travel in one pipeline: one round trip for both.
+    if (PQenterPipelineMode(c) != 1) throw_result("begin (pipeline)", nullptr, c, store_missing);
+    const bool sent =
+        PQsendQueryParams(c, begin_sql.c_str(), 0, nullptr, nullptr, nullptr, nullptr, 0) == 1 &&
+        PQsendQueryPrepared(c, names[kAcquire].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1) == 1 &&
+        PQpipelineSync(c) == 1;
+    std::array<PostgresResult, 2> res;
+    const bool complete = sent && read_pipeline(c, res.data(), res.size());
+    PQexitPipelineMode(c);
+    const PGresult* r0 = ResultAccess::native(res[0]);
+    const PGresult* r1 = ResultAccess::native(res[1]);
+    if (!complete) {
+      healthy = false;
+      throw_result("begin", !result_ok(r0) ? r0 : r1, c, store_missing);
+    }
+    if (!result_ok(r0)) throw_result("begin", r0, c, store_missing);
+    if (!result_ok(r1)) {
+      const std::string code = sqlstate_of(r1);
+      // 55P03: the key is claimed by an open transaction. 40001 under repeatable read /
+      // serializable: the row changed under the snapshot; either way someone else is on it.
+      if (code == "55P03" || code == "40001") {
+        client.pool().checkin(std::move(conn), true);  // rolls back
+        tx.decision_ = lock_busy(ap);
+        return tx;
+      }
+      throw_result("acquire", r1, c, store_missing);
+    }
+    tx.decision_ = decode_acquire(r1, ap.token);
+  } catch (...) {
+    // A session whose statements failed to prepare may hold some of them: never reuse it.
+    const bool keep = healthy && conn->prepared(statement_set);
+    client.pool().checkin(std::move(conn), keep);
+    throw;
+  }
+  if (tx.decision_.status != AcquireStatus::acquired) {
+    client.pool().checkin(std::move(conn), true);  // rolls back
+    return tx;
+  }
+  tx.conn_ = std::move(conn);
+  tx.key_ = std::string(key);
+  tx.fingerprint_ = std::string(ap.fingerprint);
+  tx.owner_ = owner;
+  return tx;
+}
+
+}  // namespace detail
+
+using detail::Params;
+using detail::ResultAccess;
+
+PostgresStore::Transaction::Transaction() noexcept = default;
+
+PostgresStore::Transaction::Transaction(Transaction&& o) noexcept = default;
+
+PostgresStore::Transaction& PostgresStore::Transaction::operator=(Transaction&& o) noexcept {
+  if (this != &o) {
+    release(true);
+    store_ = o.store_;
+    conn_ = std::move(o.conn_);
+    decision_ = std::move(o.decision_);
+    key_ = std::move(o.key_);
+    fingerprint_ = std::move(o.fingerprint_);
+    owner_ = std::move(o.owner_);
+  }
+  return *this;
+}
+
+PostgresStore::Transaction::~Transaction() { release(true); }
+
+void PostgresStore::Transaction::release(bool healthy) noexcept {
+  if (conn_) store_->client.pool().checkin(std::move(conn_), healthy);  // checkin rolls back
+}
+
+int PostgresStore::Transaction::backend_pid() const noexcept { return conn_ ? PQbackendPID(conn_->pg) : 0; }
+
+PostgresResult PostgresStore::Transaction::exec_params(std::string_view sql, const detail::TextParam* params,
+                                                       std::size_t n) {
+  if (!conn_) throw usage_error("idem: exec on a transaction that is not open (not acquired, or already ended)");
+  std::vector<const char*> vals(n);
+  for (std::size_t i = 0; i < n; ++i) vals[i] = params[i].text ? params[i].text->c_str() : nullptr;
+  PostgresResult r = detail::exec_text(conn_->pg, std::string(sql), vals.data(), static_cast<int>(n));
+  if (!detail::result_ok(ResultAccess::native(r)))
+    detail::throw_result("statement", ResultAccess::native(r), conn_->pg, detail::store_missing);
+  return r;
+}
+
+WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis retention) {
+  if (!conn_) throw usage_error("idem: commit on a transaction that is not open (not acquired, or already ended)");
+  detail::check_lease(retention, "retention");
+  PGconn* c = conn_->pg;
+  Params p;
+  p.bin(key_).num(detail::as_i64(decision_.holder.fence)).num(detail::as_i64(decision_.holder.token));
+  p.bin(result).num(retention.count());
+  std::array<PostgresResult, 2> res;
+  bool sent = false, complete = false;
+  if (PQenterPipelineMode(c) == 1) {
+    sent = PQsendQueryPrepared(c, store_->names[detail::kTxComplete].c_str(), p.size(), p.values(), p.lengths(),
+                               p.formats(), 1) == 1 &&
+           PQsendQueryParams(c, "COMMIT", 0, nullptr, nullptr, nullptr, nullptr, 0) == 1 && PQpipelineSync(c) == 1;
+    complete = sent && detail::read_pipeline(c, res.data(), res.size());
+    PQexitPipelineMode(c);
+  }
+  const PGresult* r0 = ResultAccess::native(res[0]);
+  const PGresult* r1 = ResultAccess::native(res[1]);
+  const bool ok0 = detail::result_ok(r0), ok1 = detail::result_ok(r1);
+  if (complete && ok0 && ok1 && std::strcmp(PQcmdStatus(ResultAccess::native(res[1])), "COMMIT") == 0) {
+    release(true);
+    return WriteStatus::ok;
+  }
+  const std::string code0 = detail::sqlstate_of(r0), code1 = detail::sqlstate_of(r1);
+  const bool healthy = PQstatus(c) == CONNECTION_OK;
+  // The server ended the session for idling in the transaction past the lease (a paused
+  // holder): the claim and the writes were rolled back before our COMMIT arrived.
+  if (code0 == "25P03" || code1 == "25P03") {
+    release(false);
+    return WriteStatus::lease_lost;
+  }
+  // The completion failed with an answer from the server: COMMIT then either was never processed
+  // (the session died) or turned into a rollback. Either way nothing was committed, and we know it.
+  if (r0 && !ok0 && !code0.empty()) {
+    release(healthy);
+    if (code0 == "22012") return WriteStatus::lease_lost;  // the claim was gone (see kTxComplete)
+    detail::throw_result("commit (record result)", r0, nullptr, detail::store_missing);
+  }
+  // COMMIT itself answered with an ERROR (serialization failure, deferred constraint): rolled back.
+  // A FATAL there, or no answer at all, may have come after the commit record was written.
+  const char* sev = r1 ? PQresultErrorField(r1, PG_DIAG_SEVERITY_NONLOCALIZED) : nullptr;
+  if (ok0 && r1 && !ok1 && !code1.empty() && sev && std::strcmp(sev, "ERROR") == 0) {
+    release(healthy);
+    detail::throw_result("commit", r1, nullptr, detail::store_missing);
+  }
+  if (ok0 && ok1) {  // COMMIT answered ROLLBACK: the transaction had failed before
+    release(healthy);
+    throw store_error("idem: postgres COMMIT rolled the transaction back", "40000", true);
+  }
+  std::string m = detail::first_line(r1 && PQresultErrorMessage(r1)[0] ? PQresultErrorMessage(r1) : PQerrorMessage(c));
+  release(false);
+  if (!sent && r0 == nullptr && healthy)
+    throw connection_error("idem: postgres commit could not be sent: " + m, "08006", true);
+  throw outcome_unknown_error("idem: the connection to PostgreSQL was lost during COMMIT (" + m +
+                                  "); the transaction may or may not have committed: check the record "
+                                  "(inspect) before redelivering",
+                              code1.empty() ? "08006" : code1);
+}
+
+WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
+  if (!conn_) throw usage_error("idem: fail on a transaction that is not open (not acquired, or already ended)");
+  detail::check_lease(f.retention, "retention");
+  PGconn* c = conn_->pg;
+  PostgresResult rb = ResultAccess::wrap(PQexec(c, "ROLLBACK"));
+  const bool rolled_back = detail::result_ok(ResultAccess::native(rb));
+  if (f.release || !rolled_back) {
+    // Release: the rollback already freed the key. A failed rollback means the session is gone,
+    // and the server rolls back a dead session's transaction itself.
+    release(rolled_back);
+    return WriteStatus::ok;
+  }
+  Params p;
+  p.bin(key_).bin(fingerprint_).text(owner_).num(detail::as_i64(decision_.holder.fence));
+  p.num(detail::as_i64(decision_.holder.token)).num(decision_.attempts).bin(f.error).boolean(f.permanent);
+  p.num(std::max<std::int64_t>(0, f.backoff.count())).num(f.retention.count()).text(store_->lock_timeout_text);
+  PostgresResult r = ResultAccess::wrap(PQexecPrepared(c, store_->names[detail::kRecordFailure].c_str(), p.size(),
+                                                       p.values(), p.lengths(), p.formats(), 1));
+  if (!detail::result_ok(ResultAccess::native(r))) {
+    const bool busy = detail::sqlstate_of(ResultAccess::native(r)) == "55P03";
+    release(PQstatus(c) == CONNECTION_OK);
+    if (busy) return WriteStatus::lease_lost;  // someone else holds the key now
+    detail::throw_result("record failure", ResultAccess::native(r), nullptr, detail::store_missing);
+  }
+  const bool written = r.rows() == 1 && detail::bool_of(ResultAccess::native(r), 0, 0);
+  release(true);
+  return written ? WriteStatus::ok : WriteStatus::lease_lost;
+}
+
+}  // namespace idem

@@ -1,0 +1,74 @@
+// Error mapping (client.hpp): Redis error replies and socket failures to idem's typed errors, each
+// with the advice that fits it.
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "client.hpp"
+#include "idem/core/error.hpp"
+
+namespace idem::detail::redis {
+
+const ReplyErrorHints store_hints{
+    "; delete or repair the key, idem will not guess its state",
+    "; the server is at maxmemory under noeviction: raise maxmemory or lower retention",
+    "; the ACL user needs EVALSHA, SCRIPT LOAD and access to the key prefix (docs/redis.md)", "RedisStore", false};
+
+// IDEMUSAGE comes from sequence_advance.lua refusing its arguments.
+const ReplyErrorHints sequence_hints{
+    "; delete or repair the key, idem will not guess the last applied sequence",
+    "; the server is at maxmemory under noeviction: raise maxmemory",
+    "; the ACL user needs EVALSHA, SCRIPT LOAD, GET, SET and DEL on the key prefix", "idem", true};
+
+std::string ms(millis d) { return std::to_string(d.count()) + " ms"; }
+
+void throw_reply_error(std::string_view text, std::string_view what, const ReplyErrorHints& hints) {
+  const std::string code(error_code(text));
+  const std::string msg = "idem: Redis refused " + std::string(what) + ": " + std::string(text);
+  if (code == "IDEMCORRUPT")
+    throw corrupt_record_error("idem: " + std::string(what) + ": " + std::string(text.substr(code.size() + 1)) +
+                               std::string(hints.corrupt));
+  if (hints.usage_code && code == "IDEMUSAGE") throw usage_error(msg);
+  if (code == "OOM") throw capacity_error(msg + std::string(hints.oom), code, true);
+  if (code == "READONLY")
+    throw store_error(msg + "; the server is a read-only replica (failover in progress?): point idem at the primary",
+                      code, true);
+  if (code == "NOAUTH" || code == "WRONGPASS")
+    throw store_error(msg + "; set RedisOptions::user/password (or the URL) to credentials the server accepts", code,
+                      false);
+  if (code == "NOPERM") throw store_error(msg + std::string(hints.noperm), code, false);
+  if (code == "WRONGTYPE")
+    throw store_error(msg + "; another application wrote a non-string value under idem's key prefix: use a prefix "
+                            "of idem's own",
+                      code, false);
+  if (code == "LOADING" || code == "BUSY" || code == "MASTERDOWN" || code == "TRYAGAIN" || code == "CLUSTERDOWN")
+    throw store_error(msg + "; the server is temporarily unable to serve, retry later", code, true);
+  if (code == "MOVED" || code == "ASK" || code == "CROSSSLOT")
+    throw store_error(msg + "; this is a Redis Cluster node, which " + std::string(hints.who) +
+                          " does not support yet",
+                      code, false);
+  if (text.find("max number of clients") != std::string_view::npos) throw connection_error(msg, code, true);
+  throw store_error(msg, code, false);
+}
+
+void throw_bad_reply(std::string_view what) {
+  throw store_error("idem: unexpected Redis reply to " + std::string(what), "", false);
+}
+
+void throw_io_error(const redisContext* c, const char* during, bool maybe_ran, const std::string& where,
+                    millis command_timeout) {
+  const int err = errno;
+  const std::string text = c->errstr[0] ? c->errstr : std::strerror(err);
+  const std::string tail = maybe_ran ? "; the command may or may not have run, so nothing is assumed (retry later)"
+                                     : "; retry later";
+  const bool timed_out = c->err == REDIS_ERR_IO && (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT ||
+                                                    text.find("temporarily unavailable") != std::string::npos);
+  if (timed_out)
+    throw timeout_error("idem: Redis at " + where + " did not answer " + during + " within command_timeout (" +
+                            ms(command_timeout) + ")" + tail,
+                        "", true);
+  throw connection_error("idem: connection to Redis at " + where + " broke " + during + ": " + text + tail, "", true);
+}
+
+}  // namespace idem::detail::redis

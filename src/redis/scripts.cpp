@@ -1,0 +1,51 @@
+// The script registry (scripts.hpp) over the sources embed_lua.cmake generates.
+
+#include "scripts.hpp"
+
+#include <array>
+
+#include <openssl/evp.h>
+
+#include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
+#include "idem_redis_scripts.hpp"
+#include "seq/idem_redis_scripts.hpp"
+
+namespace idem::detail::redis {
+
+std::string sha1_hex(std::string_view text) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(text.data(), text.size(), md, &len, EVP_sha1(), nullptr) != 1)
+    throw error("idem: OpenSSL EVP_Digest(SHA-1) failed", false);
+  return to_hex(md, len);
+}
+
+namespace {
+
+// In Script's order.
+constexpr std::array<std::pair<std::string_view, std::string_view>, script_count> sources{{
+    {"acquire", redis_lua::acquire},
+    {"complete", redis_lua::complete},
+    {"fail", redis_lua::fail},
+    {"extend", redis_lua::extend},
+    {"inspect", redis_lua::inspect},
+    {"acquire_batch", redis_lua::acquire_batch},
+    {"complete_batch", redis_lua::complete_batch},
+    {"sequence_advance", redis_lua::sequence_advance},
+    {"complete_advance", redis_lua::complete_advance},
+}};
+
+}  // namespace
+
+const ScriptInfo& script(Script s) {
+  // Hashed once, on first use (the first client).
+  static const std::array<ScriptInfo, script_count> registry = [] {
+    std::array<ScriptInfo, script_count> r;
+    for (std::size_t i = 0; i < script_count; ++i) r[i] = {sources[i].first, sources[i].second, sha1_hex(sources[i].second)};
+    return r;
+  }();
+  return registry[static_cast<std::size_t>(s)];
+}
+
+}  // namespace idem::detail::redis

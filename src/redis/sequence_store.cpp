@@ -1,0 +1,152 @@
+// RedisSequenceStore: one EVALSHA of sequence_advance.lua per advance (complete_advance.lua for a
+// RedisStore completion and the advance together), GET and DEL for the rest, on a client shared
+// with the RedisStore it completes for.
+
+#include "idem/redis/sequence_store.hpp"
+
+#include <charconv>
+#include <string>
+#include <utility>
+
+#include "client.hpp"
+#include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
+#include "idem/detail/validate.hpp"
+
+namespace idem {
+
+namespace {
+
+using namespace detail::redis;
+using detail::printable;
+
+// A stored value must be a canonical decimal uint64; anything else fails closed.
+std::uint64_t parse_seq(std::string_view s, std::string_view entity) {
+  std::uint64_t v = 0;
+  const bool canonical = !s.empty() && s.size() <= 20 && (s.size() == 1 || s[0] != '0');
+  auto res = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (!canonical || res.ec != std::errc{} || res.ptr != s.data() + s.size())
+    throw corrupt_record_error("idem: the Redis sequence of entity '" + printable(entity) + "' holds '" +
+                               printable(s, 32) + "', not a decimal uint64; delete or repair the key");
+  return v;
+}
+
+// advance_seq's reply (sequence.lua): code 1 advanced / 0 not, and the value it found.
+// `what()` names the call in an error message; it is built only when one is thrown.
+template <class What>
+AdvanceResult advance_result(std::int64_t code, std::string_view prev, std::string_view entity, std::uint64_t seq,
+                             const What& what) {
+  if (code != 0 && code != 1) throw_bad_reply(what());
+  AdvanceResult out;
+  out.advanced = code == 1;
+  if (!prev.empty()) out.previous = parse_seq(prev, entity);
+  // The script only writes when the value grows; a reply saying otherwise is a broken script.
+  if (out.previous && out.advanced != (*out.previous < seq))
+    throw store_error("idem: inconsistent Redis reply to " + what(), "", false);
+  return out;
+}
+
+// The reply is an array of `types` (REDIS_REPLY_*), else a bad reply.
+template <class What>
+void expect_array(const redisReply* r, std::initializer_list<int> types, const What& what) {
+  bool ok = r->type == REDIS_REPLY_ARRAY && r->elements == types.size();
+  for (std::size_t i = 0; ok && i < types.size(); ++i) ok = r->element[i]->type == types.begin()[i];
+  if (!ok) throw_bad_reply(what());
+}
+
+// The entity's key, as one argument of `cmd`.
+Command& entity_key(Command& cmd, const RedisOptions& o, std::string_view entity) {
+  return cmd.joined({o.key_prefix, "seq:{", entity, "}"});
+}
+
+template <class What>
+ReplyPtr run(Client& client, Script s, Command& cmd, const What& what) {
+  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints);
+  throw_if_error(r.get(), sequence_hints, what);
+  return r;
+}
+
+// GET and DEL of the entity's key: one plain command whose reply must be of `expected` type (or nil).
+ReplyPtr key_command(Client& client, const char* name, std::string_view entity, int expected) {
+  auto what = [&] { return std::string(name) + " of the sequence of entity '" + printable(entity) + "'"; };
+  Command cmd;
+  entity_key(cmd.arg(name), client.options(), entity);
+  ReplyPtr r = client.call(cmd.format(), "to the command");
+  throw_if_error(r.get(), sequence_hints, what);
+  if (r->type != expected && r->type != REDIS_REPLY_NIL) throw_bad_reply(what());
+  return r;
+}
+
+}  // namespace
+
+RedisSequenceStore::RedisSequenceStore(RedisStore& store) : RedisSequenceStore(store.client()) {}
+RedisSequenceStore::RedisSequenceStore(std::shared_ptr<RedisClient> client)
+    : ClientHandle(std::move(client), "RedisSequenceStore") {}
+RedisSequenceStore::RedisSequenceStore(RedisOptions options)
+    : RedisSequenceStore(std::make_shared<RedisClient>(std::move(options))) {}
+
+std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view entity) {
+  detail::check_entity(entity);
+  ReplyPtr r = key_command(impl(), "GET", entity, REDIS_REPLY_STRING);
+  if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+  return parse_seq(reply_text(r.get()), entity);
+}
+
+AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t seq) {
+  detail::check_entity(entity);
+  Client& c = impl();
+  auto what = [&] { return "sequence_advance of entity '" + printable(entity) + "'"; };
+  Command cmd = Client::evalsha(Script::sequence_advance, 1);
+  entity_key(cmd, c.options(), entity).arg(seq);
+  ReplyPtr r = run(c, Script::sequence_advance, cmd, what);
+  expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
+  return advance_result(r->element[0]->integer, reply_text(r->element[1]), entity, seq, what);
+}
+
+CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, std::string_view key, const Holder& h,
+                                                          std::string_view result, millis retention,
+                                                          std::string_view entity, std::uint64_t seq) {
+  detail::check_entity(entity);
+  detail::check_holder(key, h);
+  detail::check_lease(retention, "retention");
+  Client& c = impl();
+  // One script writes both keys, so both stores must run on one client (hence one server and db).
+  if (store.client() != client())
+    throw usage_error("idem: this RedisSequenceStore and the RedisStore it completes for run on different "
+                      "RedisClients; build the sequence store from the store (RedisSequenceStore{store})");
+  auto what = [&] { return "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'"; };
+  Command cmd = Client::evalsha(Script::complete_advance, 2);
+  cmd.joined({c.options().key_prefix, key});
+  entity_key(cmd, c.options(), entity).arg(h.fence).token(h.token).arg(result).arg(retention.count()).arg(seq);
+  ReplyPtr r = run(c, Script::complete_advance, cmd, what);
+  expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
+  CompleteAdvanceResult out;
+  if (r->element[0]->integer != 1) return out;  // lease lost: the script wrote nothing
+  out.status = WriteStatus::ok;
+  const std::int64_t code = r->element[1]->integer;
+  const std::string_view prev = reply_text(r->element[2]);
+  // The result is recorded by now; a damaged sequence key is reported, so the message is not acked
+  // and its redelivery (a duplicate) stops at the same key until someone repairs it.
+  if (code == -1)
+    throw corrupt_record_error("idem: the result of key '" + printable(key) +
+                               "' was recorded, but the Redis sequence of entity '" + printable(entity) + "' holds '" +
+                               printable(prev) + "', not a decimal uint64, so it was not advanced; repair the key");
+  if (code == -2)
+    throw_reply_error(prev, what() + " (the result was recorded; the sequence key is not a string)", sequence_hints);
+  out.advance = advance_result(code, prev, entity, seq, what);
+  return out;
+}
+
+bool RedisSequenceStore::erase(std::string_view entity) {
+  detail::check_entity(entity);
+  ReplyPtr r = key_command(impl(), "DEL", entity, REDIS_REPLY_INTEGER);
+  if (r->type != REDIS_REPLY_INTEGER)
+    throw_bad_reply("DEL of the sequence of entity '" + printable(entity) + "'");
+  return r->integer > 0;
+}
+
+std::string RedisSequenceStore::sequence_key(std::string_view entity) const {
+  return impl().options().key_prefix + "seq:{" + std::string(entity) + "}";
+}
+
+}  // namespace idem

@@ -1,0 +1,250 @@
+// RedisStore: formats one EVALSHA per transition (one pipelined run per 256 keys for a batch) and
+// parses the replies; the client does the rest.
+
+#include "idem/redis/store.hpp"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "client.hpp"
+#include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
+#include "idem/detail/validate.hpp"
+
+namespace idem {
+
+namespace {
+
+using namespace detail::redis;
+using detail::printable;
+
+// Keys per batch script run: bounds the server's time inside one script (other clients wait
+// while it runs) and the reply size; longer batches are several runs in the same round trip.
+constexpr std::size_t batch_chunk = 256;
+
+std::uint64_t token_value(std::string_view s) {
+  std::uint64_t t = 0;
+  for (char c : s) t = (t << 8) | static_cast<unsigned char>(c);
+  return t;
+}
+
+[[noreturn]] void bad_reply(std::string_view what, std::string_view key) {
+  throw_bad_reply(std::string(what) + " of key '" + printable(key) +
+                  "'; is the server a Redis-compatible one running idem's scripts?");
+}
+
+std::int64_t integer(const redisReply* r, std::string_view what, std::string_view key) {
+  if (r->type != REDIS_REPLY_INTEGER) bad_reply(what, key);
+  return r->integer;
+}
+
+AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token) {
+  if (r->type != REDIS_REPLY_ARRAY || r->elements < 2) bad_reply("acquire", key);
+  AcquireResult out;
+  const std::int64_t code = integer(r->element[0], "acquire", key);
+  const auto gen = static_cast<std::uint64_t>(integer(r->element[1], "acquire", key));
+  out.attempts = static_cast<std::uint32_t>(gen);
+  auto third = [&]() -> const redisReply* {
+    if (r->elements < 3) bad_reply("acquire", key);
+    return r->element[2];
+  };
+  switch (code) {
+    case 1:
+      out.status = AcquireStatus::acquired;
+      out.holder = {gen, token};
+      out.takeover = integer(third(), "acquire", key) != 0;
+      break;
+    case 2:
+      out.status = AcquireStatus::in_flight;
+      out.retry_after = millis{std::max<std::int64_t>(0, integer(third(), "acquire", key))};
+      break;
+    case 3:
+    case 4: {
+      const redisReply* p = third();
+      if (p->type != REDIS_REPLY_STRING) bad_reply("acquire", key);
+      out.status = code == 3 ? AcquireStatus::duplicate : AcquireStatus::previously_failed;
+      out.payload.assign(p->str, p->len);
+      break;
+    }
+    case 5: out.status = AcquireStatus::mismatch; break;
+    default: bad_reply("acquire", key);
+  }
+  return out;
+}
+
+WriteStatus parse_write(const redisReply* r, std::string_view what, std::string_view key) {
+  return integer(r, what, key) == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+}
+
+// The record stores the fingerprint's length in 16 bits.
+void check_fingerprint(const AcquireParams& p) {
+  if (p.fingerprint.size() > 65535)
+    throw invalid_options_error("idem: RedisStore keeps fingerprints of up to 65535 bytes, got " +
+                                std::to_string(p.fingerprint.size()) + "; pass a hash (idem::fingerprint)");
+}
+
+void warn_on_eviction(Client& client) {
+  const RedisOptions& o = client.options();
+  if (!o.check_eviction_policy || !o.observer) return;
+  std::string problem;
+  const std::string policy = client.eviction_policy(&problem);
+  if (policy.empty()) {
+    o.observer->on_warning("idem: cannot read Redis maxmemory-policy (" + problem +
+                           "); make sure it is noeviction, or idempotency records can be evicted");
+  } else if (policy != "noeviction") {
+    o.observer->on_warning("idem: Redis maxmemory-policy is '" + policy +
+                           "': under memory pressure Redis may evict idempotency records (every one has a "
+                           "TTL, so volatile-* policies evict them too) and their messages would run again; "
+                           "set maxmemory-policy noeviction");
+  }
+}
+
+// One key's EVALSHA: the script, its key, then the caller's arguments.
+Command eval_one(const RedisOptions& o, Script s, std::string_view key) {
+  Command cmd = Client::evalsha(s, 1);
+  cmd.joined({o.key_prefix, key});
+  return cmd;
+}
+
+ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
+  ReplyPtr r = client.eval(s, cmd.format(), store_hints);
+  throw_if_error(r.get(), store_hints,
+                 [&] { return std::string(script(s).name) + " of key '" + printable(key) + "'"; });
+  return r;
+}
+
+// A batch of `items`: one EVALSHA of `s` per batch_chunk of them, pipelined. `key_of(item)` is the
+// idempotency key, `encode(cmd, from, n)` adds the arguments after the keys, `parse(reply, item)`
+// reads one element of a run's reply.
+template <class Out, class Item, class KeyOf, class Encode, class Parse>
+std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items, const KeyOf& key_of,
+                           const Encode& encode, const Parse& parse) {
+  const std::string_view name = script(s).name;
+  Pipeline pipeline;
+  for (std::size_t from = 0; from < items.size(); from += batch_chunk) {
+    const std::size_t n = std::min(batch_chunk, items.size() - from);
+    Command cmd = Client::evalsha(s, n);
+    for (std::size_t i = from; i < from + n; ++i) cmd.joined({client.options().key_prefix, key_of(items[i])});
+    encode(cmd, from, n);
+    pipeline.add(cmd.format());
+  }
+  std::vector<ReplyPtr> replies = client.eval_many(s, pipeline, store_hints);
+  std::vector<Out> out;
+  out.reserve(items.size());
+  for (std::size_t c = 0; c < replies.size(); ++c) {
+    const redisReply* r = replies[c].get();
+    const std::size_t from = c * batch_chunk, n = std::min(batch_chunk, items.size() - from);
+    const std::string_view first = key_of(items[from]);
+    throw_if_error(r, store_hints, [&] {
+      return std::string(name) + " of " + std::to_string(n) + " keys from '" + printable(first) + "'";
+    });
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != n) bad_reply(name, first);
+    for (std::size_t i = 0; i < n; ++i) out.push_back(parse(r->element[i], items[from + i]));
+  }
+  return out;
+}
+
+}  // namespace
+
+RedisStore::RedisStore(RedisOptions options) : RedisStore(std::make_shared<RedisClient>(std::move(options))) {}
+
+RedisStore::RedisStore(std::shared_ptr<RedisClient> client) : ClientHandle(std::move(client), "RedisStore") {
+  warn_on_eviction(impl());
+}
+
+AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) {
+  detail::check_acquire(key, p);
+  check_fingerprint(p);
+  Client& c = impl();
+  Command cmd = eval_one(c.options(), Script::acquire, key);
+  cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(p.owner.substr(0, 255));
+  return parse_acquire(run_one(c, Script::acquire, cmd, key).get(), key, p.token);
+}
+
+WriteStatus RedisStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+  detail::check_holder(key, h);
+  detail::check_lease(retention, "retention");
+  Client& c = impl();
+  Command cmd = eval_one(c.options(), Script::complete, key);
+  cmd.arg(h.fence).token(h.token).arg(result).arg(retention.count());
+  return parse_write(run_one(c, Script::complete, cmd, key).get(), "complete", key);
+}
+
+WriteStatus RedisStore::fail(std::string_view key, const Holder& h, const FailParams& f) {
+  detail::check_holder(key, h);
+  detail::check_lease(f.retention, "retention");
+  Client& c = impl();
+  Command cmd = eval_one(c.options(), Script::fail, key);
+  cmd.arg(h.fence).token(h.token).arg(f.error).arg(f.release ? "1" : "0").arg(f.permanent ? "1" : "0");
+  cmd.arg(std::max<std::int64_t>(0, f.backoff.count())).arg(f.retention.count());
+  return parse_write(run_one(c, Script::fail, cmd, key).get(), "fail", key);
+}
+
+WriteStatus RedisStore::extend(std::string_view key, const Holder& h, millis lease) {
+  detail::check_holder(key, h);
+  detail::check_lease(lease);
+  Client& c = impl();
+  Command cmd = eval_one(c.options(), Script::extend, key);
+  cmd.arg(h.fence).token(h.token).arg(lease.count());
+  return parse_write(run_one(c, Script::extend, cmd, key).get(), "extend", key);
+}
+
+std::optional<Record> RedisStore::inspect(std::string_view key) {
+  detail::check_key(key, static_cast<std::size_t>(-1));
+  Client& c = impl();
+  Command cmd = eval_one(c.options(), Script::inspect, key);
+  ReplyPtr r = run_one(c, Script::inspect, cmd, key);
+  if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+  if (r->type != REDIS_REPLY_ARRAY || r->elements != 9) bad_reply("inspect", key);
+  auto str = [&](std::size_t i) {
+    const redisReply* e = r->element[i];
+    if (e->type != REDIS_REPLY_STRING) bad_reply("inspect", key);
+    return std::string(e->str, e->len);
+  };
+  auto num = [&](std::size_t i) { return integer(r->element[i], "inspect", key); };
+  Record rec;
+  const std::int64_t st = num(0);
+  if (st < 1 || st > 3) bad_reply("inspect", key);
+  rec.state = static_cast<State>(st);
+  rec.holder.fence = static_cast<std::uint64_t>(num(1));
+  rec.attempts = static_cast<std::uint32_t>(rec.holder.fence);
+  rec.holder.token = token_value(str(2));
+  rec.owner = str(3);
+  rec.lease_until_ms = num(4);
+  rec.retry_at_ms = num(5);
+  rec.permanent = num(6) != 0;
+  rec.fingerprint = str(7);
+  (rec.state == State::failed ? rec.error : rec.result) = str(8);
+  return rec;
+}
+
+std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p) {
+  for (std::string_view k : keys) detail::check_acquire(k, p);
+  check_fingerprint(p);
+  const std::string_view owner = p.owner.substr(0, 255);
+  return run_batch<AcquireResult>(
+      impl(), Script::acquire_batch, keys, [](std::string_view k) { return k; },
+      [&](Command& cmd, std::size_t, std::size_t) {
+        cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(owner);
+      },
+      [&](const redisReply* r, std::string_view k) { return parse_acquire(r, k, p.token); });
+}
+
+std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem> items, millis retention) {
+  detail::check_lease(retention, "retention");
+  for (const CompleteItem& it : items) detail::check_holder(it.key, it.holder);
+  return run_batch<WriteStatus>(
+      impl(), Script::complete_batch, items, [](const CompleteItem& it) { return it.key; },
+      [&](Command& cmd, std::size_t from, std::size_t n) {
+        cmd.arg(retention.count());
+        for (std::size_t i = from; i < from + n; ++i) cmd.arg(items[i].holder.fence).token(items[i].holder.token).arg(items[i].result);
+      },
+      [](const redisReply* r, const CompleteItem& it) { return parse_write(r, "complete_batch", it.key); });
+}
+
+std::string RedisStore::redis_key(std::string_view key) const { return impl().options().key_prefix + std::string(key); }
+
+std::string RedisStore::eviction_policy() { return impl().eviction_policy(nullptr); }
+
+}  // namespace idem

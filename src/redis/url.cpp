@@ -1,0 +1,193 @@
+// RedisOptions: parse_redis_url, and the checks every client makes before it connects.
+
+#include <charconv>
+#include <string>
+#include <utility>
+
+#include "client.hpp"
+#include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
+#include "idem/redis/options.hpp"
+
+namespace idem {
+
+namespace {
+
+using detail::printable;
+
+std::string percent_decode(std::string_view s, const std::string& url_shown) {
+  std::string out;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out += s[i];
+      continue;
+    }
+    auto hexval = [](char c) -> int {
+      if (c >= '0' && c <= '9') return c - '0';
+      if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+      if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+      return -1;
+    };
+    const int hi = i + 2 < s.size() ? hexval(s[i + 1]) : -1;
+    const int lo = i + 2 < s.size() ? hexval(s[i + 2]) : -1;
+    if (hi < 0 || lo < 0)
+      throw invalid_options_error("idem: bad Redis URL '" + url_shown + "': a '%' escape needs two hex digits");
+    out += static_cast<char>(hi * 16 + lo);
+    i += 2;
+  }
+  return out;
+}
+
+int parse_int(std::string_view s, int lo, int hi, const std::string& what, const std::string& url_shown) {
+  int v = 0;
+  auto res = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || res.ec != std::errc{} || res.ptr != s.data() + s.size() || v < lo || v > hi)
+    throw invalid_options_error("idem: bad Redis URL '" + url_shown + "': " + what + " '" + std::string(s) +
+                                "' is not an integer in " + std::to_string(lo) + ".." + std::to_string(hi));
+  return v;
+}
+
+// The URL as it may appear in a message: the password replaced by ***.
+std::string redact(std::string_view url) {
+  const auto scheme_end = url.find("://");
+  if (scheme_end == std::string_view::npos) return printable(url, 200);
+  const auto at = url.rfind('@');
+  const auto colon = url.find(':', scheme_end + 3);
+  if (at == std::string_view::npos || colon == std::string_view::npos || colon > at) return printable(url, 200);
+  return printable(std::string(url.substr(0, colon + 1)) + "***" + std::string(url.substr(at)), 200);
+}
+
+}  // namespace
+
+RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
+  const std::string shown = redact(url);
+  auto bad = [&](const std::string& why) { throw invalid_options_error("idem: bad Redis URL '" + shown + "': " + why); };
+  const auto scheme_end = url.find("://");
+  if (scheme_end == std::string_view::npos) bad("expected redis://host[:port][/db] or unix:///path");
+  const std::string_view scheme = url.substr(0, scheme_end);
+  std::string_view rest = url.substr(scheme_end + 3);
+  if (scheme == "rediss") bad("TLS (rediss://) is not supported: idem's hiredis is built without TLS");
+  if (scheme != "redis" && scheme != "unix") bad("unknown scheme '" + printable(scheme) + "'; use redis:// or unix://");
+  const bool unix_scheme = scheme == "unix";
+
+  std::string_view query;
+  if (const auto q = rest.find('?'); q != std::string_view::npos) {
+    query = rest.substr(q + 1);
+    rest = rest.substr(0, q);
+  }
+  std::string_view authority = rest, path;
+  if (unix_scheme) {
+    // unix://[user[:password]@]/path: the path starts at the first '/' after any userinfo.
+    const auto at = rest.rfind('@');
+    const auto slash = rest.find('/');
+    if (at != std::string_view::npos && (slash == std::string_view::npos || at < slash)) {
+      authority = rest.substr(0, at + 1);
+      path = rest.substr(at + 1);
+    } else {
+      authority = {};
+      path = rest;
+    }
+  } else if (const auto slash = rest.find('/'); slash != std::string_view::npos) {
+    authority = rest.substr(0, slash);
+    path = rest.substr(slash);
+  }
+
+  std::string user, password;
+  std::string_view hostport = authority;
+  if (const auto at = authority.rfind('@'); at != std::string_view::npos) {
+    const std::string_view info = authority.substr(0, at);
+    hostport = authority.substr(at + 1);
+    if (const auto colon = info.find(':'); colon != std::string_view::npos) {
+      user = percent_decode(info.substr(0, colon), shown);
+      password = percent_decode(info.substr(colon + 1), shown);
+    } else {
+      // redis://secret@host is read as a password (the default user), as redis-cli does.
+      password = percent_decode(info, shown);
+    }
+    if (password.empty() && !user.empty()) bad("user '" + printable(user) + "' has no password");
+  }
+
+  int db = 0;
+  if (unix_scheme) {
+    if (path.empty() || path.front() != '/') bad("a unix:// URL needs an absolute socket path, as unix:///run/redis.sock");
+    o.unix_socket = percent_decode(path, shown);
+  } else {
+    if (hostport.empty()) bad("no host");
+    std::string_view host = hostport, port;
+    if (hostport.front() == '[') {
+      const auto close = hostport.find(']');
+      if (close == std::string_view::npos) bad("unterminated [IPv6] host");
+      host = hostport.substr(1, close - 1);
+      const std::string_view after = hostport.substr(close + 1);
+      if (!after.empty()) {
+        if (after.front() != ':') bad("expected ':' after the [IPv6] host");
+        port = after.substr(1);
+      }
+    } else if (const auto colon = hostport.rfind(':'); colon != std::string_view::npos) {
+      host = hostport.substr(0, colon);
+      port = hostport.substr(colon + 1);
+    }
+    if (host.empty()) bad("no host");
+    o.host = std::string(host);
+    o.port = port.empty() ? 6379 : parse_int(port, 1, 65535, "port", shown);
+    o.unix_socket.clear();
+    if (!path.empty() && path != "/") db = parse_int(path.substr(1), 0, 1'000'000, "database index", shown);
+  }
+  while (!query.empty()) {
+    const auto amp = query.find('&');
+    const std::string_view kv = query.substr(0, amp);
+    query = amp == std::string_view::npos ? std::string_view{} : query.substr(amp + 1);
+    if (kv.substr(0, 3) == "db=")
+      db = parse_int(kv.substr(3), 0, 1'000'000, "database index", shown);
+    else
+      bad("unknown parameter '" + printable(kv) + "'; only db=N is understood");
+  }
+  o.user = std::move(user);
+  o.password = std::move(password);
+  o.db = db;
+  o.url = std::string(url);
+  return o;
+}
+
+
+namespace detail::redis {
+
+namespace {
+
+void check_options(const RedisOptions& o) {
+  auto bad = [](const std::string& why) { throw invalid_options_error("idem: RedisOptions: " + why); };
+  if (o.unix_socket.empty()) {
+    if (o.host.empty()) bad("host is empty; set host (or unix_socket, or url)");
+    if (o.port < 1 || o.port > 65535) bad("port " + std::to_string(o.port) + " is not in 1..65535");
+  }
+  if (o.db < 0) bad("db " + std::to_string(o.db) + " is negative");
+  if (o.connect_timeout <= millis{0}) bad("connect_timeout must be positive, got " + ms(o.connect_timeout));
+  if (o.command_timeout <= millis{0}) bad("command_timeout must be positive, got " + ms(o.command_timeout));
+  check_pool_options(o.pool, "RedisOptions");
+  if (!o.user.empty() && o.password.empty()) bad("user '" + printable(o.user) + "' is set without a password");
+  const auto open = o.key_prefix.find('{');
+  const auto close = o.key_prefix.find('}');
+  if (open != std::string::npos || close != std::string::npos) {
+    const bool one_tag = open != std::string::npos && close != std::string::npos && close > open + 1 &&
+                         o.key_prefix.find('{', open + 1) == std::string::npos &&
+                         o.key_prefix.find('}', close + 1) == std::string::npos;
+    if (!one_tag)
+      bad("key_prefix '" + printable(o.key_prefix) +
+          "' has stray braces; it may hold one whole {tag} (all keys in one cluster slot) or none");
+  }
+}
+
+}  // namespace
+
+RedisOptions resolve_options(RedisOptions o) {
+  if (!o.url.empty()) {
+    const std::string url = o.url;
+    o = parse_redis_url(url, std::move(o));
+  }
+  check_options(o);
+  return o;
+}
+
+}  // namespace detail::redis
+
+}  // namespace idem
