@@ -43,12 +43,6 @@ template <class S>
 struct transaction_of<S> {
   using type = typename S::Transaction;
 };
-// Until every backend spells it `Transaction`.
-template <class S>
-  requires(!requires { typename S::Transaction; } && requires { typename S::transaction; })
-struct transaction_of<S> {
-  using type = typename S::transaction;
-};
 }  // namespace detail
 
 /// The transaction type of a TransactionalStore (`S::Transaction`), or void for other stores.
