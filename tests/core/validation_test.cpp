@@ -127,10 +127,21 @@ TEST_CASE("MemoryStore with zero shards", "[validation]") {
 TEST_CASE("a codec that throws on encode", "[validation]") {
   idem::MemoryStore store;
   idem::IdempotencyGuard guard(store);
-  CHECK_THROWS_WITH(guard.run("k", [] { return Unencodable{1}; }),
-                    Contains("encode threw") && Contains("cannot serialise"));
-  // The unrecordable run released the key (default policy), so a fixed consumer can retry it.
-  CHECK(guard.run("k", [] { return 1; }).status == idem::Status::executed);
+  int effects = 0;
+  CHECK_THROWS_AS(guard.run("k", [&] { ++effects; return Unencodable{1}; }), idem::result_not_stored_error);
+  CHECK_THROWS_WITH(guard.run("k2", [] { return Unencodable{1}; }),
+                    Contains("encode threw") && Contains("cannot serialise") && Contains("not stored"));
+  // The effect ran: the key is completed without its result, so a redelivery never runs it again.
+  auto again = guard.run("k", [&] { ++effects; return Unencodable{2}; });
+  CHECK(effects == 1);
+  CHECK(again.status == idem::Status::duplicate);
+  CHECK(again.result_unavailable);
+  CHECK_FALSE(again.value);
+  CHECK_THAT(again.error, Contains("cannot serialise"));
+  auto rec = store.inspect("k");
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::completed);
+  CHECK(rec->permanent);
 }
 
 TEST_CASE("a stored result that cannot be decoded is a corrupt record, never a duplicate", "[validation]") {

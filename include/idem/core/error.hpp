@@ -101,6 +101,15 @@ public:
   explicit corrupt_record_error(const std::string& what) : error(what, false) {}
 };
 
+/// The handler ran but its result could not be stored (over the store's limit, or the codec
+/// could not encode it): the key was completed without it, so the effect never runs again, and
+/// later deliveries answer duplicate with result_unavailable. Not retryable: ack the message.
+class result_not_stored_error : public error {
+public:
+  /// Builds the error; the message says why the result was not stored.
+  explicit result_not_stored_error(const std::string& what) : error(what, false) {}
+};
+
 /// A result codec failed to encode or decode a value.
 class codec_error : public error {
 public:

@@ -64,7 +64,8 @@ struct Outcome {
 
   Status status = Status::in_flight;  ///< what happened
   std::optional<value_type> value;    ///< executed / lease_lost: handler's value; duplicate: replayed value
-  std::string error;                  ///< previously_failed: the stored error text
+  std::string error;                  ///< previously_failed: the stored error text; result_unavailable: why
+  bool result_unavailable = false;    ///< duplicate: the key completed without its result (value empty)
   std::uint64_t fence = 0;            ///< executed / lease_lost: the fencing token the handler saw
   std::uint32_t attempt = 0;          ///< times the key has been acquired (this run included)
   bool takeover = false;              ///< the run took over a lapsed lease

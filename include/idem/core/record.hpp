@@ -52,7 +52,8 @@ struct AcquireResult {
   bool takeover = false;         ///< acquired: a lapsed in_progress lease was taken over
   std::uint32_t attempts = 0;    ///< times the key has been acquired, this one included when acquired
   millis retry_after{0};         ///< in_flight: time left on the lease (or backoff) on the store clock
-  std::string payload;           ///< duplicate: stored result; previously_failed: stored error text
+  std::string payload;           ///< duplicate: stored result (or why it is unavailable); previously_failed: stored error text
+  bool result_unavailable = false;  ///< duplicate: completed without its result (complete_unavailable); payload says why
 };
 
 /// Whether a holder-checked write (complete, fail, extend) took effect.
@@ -78,10 +79,10 @@ struct Record {
   std::int64_t lease_until_ms = 0;   ///< in_progress: lease end on the store clock (ms)
   std::int64_t retry_at_ms = 0;      ///< failed: earliest retry on the store clock (ms)
   std::uint32_t attempts = 0;        ///< times acquired
-  bool permanent = false;            ///< failed: no retry allowed
+  bool permanent = false;            ///< failed: no retry allowed; completed: the result is unavailable (error says why)
   std::string fingerprint;           ///< payload hash fixed at first acquire, or empty
   std::string result;                ///< completed: encoded result
-  std::string error;                 ///< failed: error text
+  std::string error;                 ///< failed: error text; completed without its result: why
 };
 
 namespace detail {

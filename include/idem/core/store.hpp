@@ -2,6 +2,7 @@
 /// @file store.hpp The StateStore concept every backend models, and the transactional extension.
 
 #include <concepts>
+#include <cstddef>
 #include <optional>
 #include <string_view>
 #include <type_traits>
@@ -31,6 +32,29 @@ concept StateStore = requires(S& s, std::string_view key, const AcquireParams& a
   { s.fail(key, h, fp) } -> std::same_as<WriteStatus>;
   { s.extend(key, h, d) } -> std::same_as<WriteStatus>;
   { s.inspect(key) } -> std::same_as<std::optional<Record>>;
+};
+
+/// What a store can hold; SIZE_MAX = no limit of its own. The guard refuses options that exceed
+/// it at construction and never hands the store a result over it.
+struct StoreLimits {
+  std::size_t max_key_bytes = static_cast<std::size_t>(-1);     ///< longest key the store takes
+  std::size_t max_result_bytes = static_cast<std::size_t>(-1);  ///< longest encoded result it stores
+};
+
+/// A store that states its limits (`s.limits()`); stores without it are taken as unlimited.
+template <class S>
+concept HasStoreLimits = requires(const S& s) {
+  { s.limits() } -> std::same_as<StoreLimits>;
+};
+
+/// A store that can complete a key without its result (`complete_unavailable`): holder-checked
+/// like complete; the record becomes `completed` with `permanent` set and `error` = reason, and
+/// every later acquire answers duplicate with `result_unavailable`. The guard uses it when an
+/// effect ran but its result cannot be stored (too large, or the codec failed), so the effect is
+/// never run again; a store without it gets a permanent failure instead.
+template <class S>
+concept CompletesUnavailable = requires(S& s, std::string_view key, const Holder& h, std::string_view reason, millis d) {
+  { s.complete_unavailable(key, h, reason, d) } -> std::same_as<WriteStatus>;
 };
 
 namespace detail {

@@ -59,6 +59,13 @@ public:
   explicit IdempotencyGuard(Store& store, GuardOptions options = {})
       : store_(&store), options_(std::move(options)) {
     detail::check_options(options_);
+    if constexpr (HasStoreLimits<Store>) {
+      limits_ = store.limits();
+      if (options_.max_key_bytes > limits_.max_key_bytes)
+        throw invalid_options_error("idem: GuardOptions::max_key_bytes is " + std::to_string(options_.max_key_bytes) +
+                                    ", above the " + std::to_string(limits_.max_key_bytes) +
+                                    " bytes this store takes; lower it (hash long keys with idem::fingerprint)");
+    }
     if (options_.owner.empty()) options_.owner = default_owner();
     if (options_.cache_capacity > 0)
       cache_ = std::make_unique<detail::LruCache>(options_.cache_capacity, options_.retention);
@@ -162,11 +169,10 @@ private:
     std::stop_source stop = options_.heartbeat ? std::stop_source{} : std::stop_source{std::nostopstate};
     context_type ctx{};
     begin_run(ctx, out, key, ar, stop);
-    std::string encoded;
     {
       typename detail::LeaseKeeper<Store>::Registration kept(keeper_.get(), key, holder, stop);
       try {
-        encoded = run_handler<R>(handler, ctx, out);
+        run_handler<R>(handler, ctx, out);
       } catch (const detail::stale_signal&) {
         kept.end();
         store_->fail(key, holder, detail::stale_release(options_.retention));
@@ -178,6 +184,21 @@ private:
                        [&](const FailParams& f) { store_->fail(key, holder, f); });
         throw;
       }
+    }
+    std::string encoded;
+    if (auto why = encode_for_store<R>(out, encoded)) {
+      // The effect ran: complete the key without its result, so no redelivery runs it again.
+      WriteStatus ws;
+      if constexpr (CompletesUnavailable<Store>)
+        ws = store_->complete_unavailable(key, holder, *why, options_.retention);
+      else
+        ws = store_->fail(key, holder, unstorable_failure(*why));
+      if (ws == WriteStatus::lease_lost) {
+        out.status = Status::lease_lost;
+        return out;
+      }
+      throw result_not_stored_error("idem: the result of key '" + detail::printable(key) + "' was not stored: " +
+                                    *why + "; the key is completed without it and will not run again");
     }
     WriteStatus ws;
     if constexpr (std::is_null_pointer_v<Complete>)
@@ -206,9 +227,8 @@ private:
       context_type ctx{};
       begin_run(ctx, out, key, ar, stop);
       ctx.tx = &tx;
-      std::string encoded;
       try {
-        encoded = run_handler<R>(handler, ctx, out);
+        run_handler<R>(handler, ctx, out);
       } catch (const detail::stale_signal&) {
         tx.fail(detail::stale_release(options_.retention));  // rolls back the claim and whatever the handler wrote
         out.status = Status::stale;
@@ -216,6 +236,14 @@ private:
       } catch (...) {
         record_failure(key, ar.attempts, std::current_exception(), [&](const FailParams& f) { tx.fail(f); });
         throw;
+      }
+      std::string encoded;
+      if (auto why = encode_for_store<R>(out, encoded)) {
+        // The handler's writes are in the transaction: roll them back with the claim and record
+        // a permanent failure, so the effect neither happens without its record nor runs again.
+        tx.fail(unstorable_failure(*why));
+        throw result_not_stored_error("idem: the result of key '" + detail::printable(key) + "' was not stored: " +
+                                      *why + "; the transaction was rolled back and the key failed permanently");
       }
       finish_run(key, fp, tx.commit(encoded, options_.retention), encoded, out);
       return out;
@@ -232,17 +260,40 @@ private:
     ctx.stop = stop.get_token();
   }
 
-  // Runs the handler, keeps its value in `out` and returns it encoded for the store.
+  // Runs the handler and keeps its value in `out`.
   template <class R, class F>
-  std::string run_handler(F& handler, const context_type& ctx, Outcome<R>& out) {
+  void run_handler(F& handler, const context_type& ctx, Outcome<R>& out) {
     if constexpr (std::is_void_v<R>) {
       invoke(handler, ctx);
       out.value.emplace();
-      return {};
     } else {
       out.value.emplace(invoke(handler, ctx));
-      return detail::encode_result<R>(*out.value);
     }
+  }
+
+  // Encodes the handler's value into `encoded`; returns why it cannot be stored (the codec threw,
+  // or it is over the store's limit), or nothing.
+  template <class R>
+  std::optional<std::string> encode_for_store(const Outcome<R>& out, std::string& encoded) const {
+    if constexpr (!std::is_void_v<R>) {
+      try {
+        encoded = detail::encode_result<R>(*out.value);
+      } catch (const codec_error& e) {
+        return std::string(e.what());
+      }
+    }
+    if (encoded.size() > limits_.max_result_bytes)
+      return "the encoded result is " + std::to_string(encoded.size()) + " bytes, over the store's limit of " +
+             std::to_string(limits_.max_result_bytes);
+    return std::nullopt;
+  }
+
+  FailParams unstorable_failure(const std::string& why) const {
+    FailParams f;
+    f.error = "result not stored: " + why;
+    f.permanent = true;
+    f.retention = options_.retention;
+    return f;
   }
 
   template <class R>
@@ -292,6 +343,11 @@ private:
     switch (ar.status) {
       case AcquireStatus::duplicate:
         out.status = Status::duplicate;
+        if (ar.result_unavailable) {
+          out.result_unavailable = true;
+          out.error = ar.payload;
+          break;
+        }
         out.value = detail::decode_result<R>(key, ar.payload);
         if (cache_) cache_->put(key, fp, ar.payload);
         break;
@@ -345,6 +401,7 @@ private:
   GuardOptions options_;
   std::unique_ptr<detail::LruCache> cache_;
   std::unique_ptr<detail::LeaseKeeper<Store>> keeper_;  // heartbeat only
+  StoreLimits limits_;                                  // the store's, when it states them
 };
 
 }  // namespace idem

@@ -100,7 +100,8 @@ public:
     switch (rec.state) {
       case State::completed:
         r.status = AcquireStatus::duplicate;
-        r.payload = rec.result;
+        r.result_unavailable = rec.permanent;
+        r.payload = rec.permanent ? rec.error : rec.result;
         return r;
       case State::in_progress:
         if (rec.lease_until_ms > now) {
@@ -139,14 +140,12 @@ public:
 
   /// Records the result if `h` still holds the key; else lease_lost and nothing changes.
   WriteStatus complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
-    detail::check_holder(key, h);
-    detail::check_lease(retention, "retention");
-    return with_holder(key, h, [&](Entry& e, std::int64_t now) {
-      e.rec.state = State::completed;
-      e.rec.result = result;
-      e.rec.lease_until_ms = 0;
-      e.expires_at_ms = now + retention.count();
-    });
+    return write_completed(key, h, retention, false, result);
+  }
+
+  /// Completes the key without its result (see CompletesUnavailable) if `h` still holds it.
+  WriteStatus complete_unavailable(std::string_view key, const Holder& h, std::string_view reason, millis retention) {
+    return write_completed(key, h, retention, true, reason);
   }
 
   /// Releases or records a failure if `h` still holds the key; else lease_lost.
@@ -208,6 +207,20 @@ private:
 
   Shard& shard(std::string_view key) const noexcept { return shards_.shard(key); }
 
+  // `unavailable`: `text` is why the result is missing, else the result itself.
+  WriteStatus write_completed(std::string_view key, const Holder& h, millis retention, bool unavailable,
+                              std::string_view text) {
+    detail::check_holder(key, h);
+    detail::check_lease(retention, "retention");
+    return with_holder(key, h, [&](Entry& e, std::int64_t now) {
+      e.rec.state = State::completed;
+      e.rec.permanent = unavailable;
+      (unavailable ? e.rec.error : e.rec.result) = text;
+      e.rec.lease_until_ms = 0;
+      e.expires_at_ms = now + retention.count();
+    });
+  }
+
   template <class F>
   WriteStatus with_holder(std::string_view key, const Holder& h, F&& write) {
     Shard& sh = shard(key);
@@ -231,6 +244,7 @@ private:
 };
 
 static_assert(StateStore<MemoryStore>);
+static_assert(CompletesUnavailable<MemoryStore>);
 
 }  // namespace idem
 
