@@ -82,8 +82,9 @@ private:
     e.last_ok = clock::now();
     e.due = e.last_ok + period_;
     std::unique_lock lock(mu_);
-    auto it = entries_.insert(entries_.end(), e);
+    // Started before the entry goes in: a thread that cannot start leaves nothing registered.
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    auto it = entries_.insert(entries_.end(), e);
     lock.unlock();
     wake_.notify_all();
     return it;
