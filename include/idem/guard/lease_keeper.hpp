@@ -106,8 +106,9 @@ private:
         wake_.wait(lock);
         continue;
       }
-      if (next->due > clock::now()) {
-        wake_.wait_until(lock, next->due);
+      if (const auto due = next->due; due > clock::now()) {
+        // A copy: the entry may be removed while this waits, and wait_until reads the time again.
+        wake_.wait_until(lock, due);
         continue;
       }
       next->busy = true;  // remove() waits: the entry, its key and its stop source stay valid
