@@ -61,8 +61,7 @@ PostgresOptions checked(PostgresOptions o) {
   check_pool_options(o.pool, "PostgresOptions");
   if (o.statement_timeout < millis{0})
     throw invalid_options_error("idem: PostgresOptions::statement_timeout must be >= 0 (0 = no limit)");
-  if (o.conninfo.find('\0') != std::string::npos)
-    throw invalid_options_error("idem: PostgresOptions::conninfo contains a NUL byte");
+  check_conninfo(o.conninfo);
   return o;
 }
 }  // namespace

@@ -82,6 +82,10 @@ struct ResultAccess {
   static PGresult* native(const PostgresResult& r) noexcept { return static_cast<PGresult*>(r.r_); }
 };
 
+// conninfo.cpp: parses a conninfo string or URI as libpq will (PQconninfoParse) and checks the
+// values libpq only checks when connecting; invalid_options_error names the problem and the fix.
+void check_conninfo(const std::string& conninfo);
+
 // A statement without parameters (session setup, BEGIN/COMMIT, DDL); throws on failure.
 void exec_simple(PGconn* c, const char* sql, std::string_view what, const MissingSchemaHint& missing = {});
 

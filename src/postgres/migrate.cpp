@@ -2,6 +2,7 @@
 // <schema>.idem_schema_version.
 
 #include <charconv>
+#include <iterator>
 #include <string>
 
 #include "idem/core/error.hpp"
@@ -62,15 +63,20 @@ void StoreImpl::migrate_on(PGconn* c) {
                             ", newer than this library's " + std::to_string(PostgresStore::schema_version) +
                             "; upgrade idem",
                         "", false);
-    if (have < 1) {
-      std::string sql = pg_schema_v1_sql;
+    // Each version's script in turn: a new table gets 1 then 2, a version-1 table only 2.
+    const char* const scripts[] = {pg_schema_v1_sql, pg_schema_v2_sql};
+    static_assert(std::size(scripts) == PostgresStore::schema_version);
+    for (int step = have + 1; step <= PostgresStore::schema_version; ++step) {
+      std::string sql = scripts[step - 1];
       replace_all(sql, "@S@", qs);
       replace_all(sql, "@T@", quote_ident(opt.table));
       replace_all(sql, "@P@", opt.table);
-      exec_simple(c, sql.c_str(), "migrate (schema v1)", store_missing);
-      const std::string ins = "INSERT INTO " + qs +
-                              ".idem_schema_version (table_name, version) VALUES ($1, 1) "
-                              "ON CONFLICT (table_name) DO UPDATE SET version = 1, installed_at = now()";
+      exec_simple(c, sql.c_str(), "migrate (schema v" + std::to_string(step) + ")", store_missing);
+    }
+    if (have < PostgresStore::schema_version) {
+      const std::string version = std::to_string(PostgresStore::schema_version);
+      const std::string ins = "INSERT INTO " + qs + ".idem_schema_version (table_name, version) VALUES ($1, " + version +
+                              ") ON CONFLICT (table_name) DO UPDATE SET version = " + version + ", installed_at = now()";
       exec_checked(c, ins, opt.table, "migrate (write version)");
     }
     exec_simple(c, "COMMIT", "migrate (commit)", store_missing);

@@ -54,31 +54,51 @@ void StoreImpl::prepare_all(PGconn* c) const {
   // raises. The function is called from the target list of a one-row subquery (OFFSET 0 keeps it
   // from being flattened, so it runs at most once), cheaper to set up than a function scan; the
   // uncorrelated NOT EXISTS is a one-time filter, so it runs only when the INSERT found the key.
-  prepare_one(
-      c, names[kAcquireLease],
-      "WITH cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, " + clock_ms + "), " + insert_new +
-          " SELECT (d).o_status, (d).o_fence, (d).o_takeover, (d).o_attempts, (d).o_retry_after, "
-          "(d).o_payload FROM (SELECT " +
-          acquire_fn + "($1, $2, $3, $4, $5, $6, $7, $8, NULL) AS d WHERE NOT EXISTS (SELECT 1 FROM ins) OFFSET 0) s",
-      8);
-  prepare_one(c, names[kComplete],
-              "UPDATE " + qt +
-                  " t SET state = 2, result = $4, lease_until = 0, expires_at = c.ms + $5, "
-                  "purge_after = (c.ms + $5 + 999) / 1000 * 1000 FROM " +
-                  now + " WHERE " + holder,
-              5);
-  prepare_one(c, names[kFail],
-              "UPDATE " + qt +
-                  " t SET state = 3, error = $4, lease_until = 0, permanent = $5, retry_at = c.ms + $6, "
-                  "expires_at = c.ms + $7, purge_after = (c.ms + $7 + 999) / 1000 * 1000 FROM " +
-                  now + " WHERE " + holder,
-              7);
-  prepare_one(c, names[kExtend],
-              "UPDATE " + qt +
-                  " t SET lease_until = c.ms + $4, expires_at = greatest(t.expires_at, c.ms + $4), "
-                  "purge_after = (greatest(t.expires_at, c.ms + $4) + 999) / 1000 * 1000 FROM " +
-                  now + " WHERE " + holder,
-              4);
+  // `mine` / `not_mine`: the extra CTE and filter of kAcquireAgain.
+  const auto lease_acquire = [&](const std::string& mine, const std::string& not_mine) {
+    return "WITH " + mine + "cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, " + clock_ms +
+           "), " + insert_new + " SELECT (d).o_status, (d).o_fence, (d).o_takeover, (d).o_attempts, (d).o_retry_after, "
+           "(d).o_payload FROM (SELECT " + acquire_fn +
+           "($1, $2, $3, $4, $5, $6, $7, $8, NULL) AS d WHERE NOT EXISTS (SELECT 1 FROM ins)" + not_mine +
+           " OFFSET 0) s";
+  };
+  prepare_one(c, names[kAcquireLease], lease_acquire("", ""), 8);
+  // The same acquire sent again after a lost reply: a live in_progress row with our token is the
+  // acquisition that reply carried (tokens are per acquire), answered with its fence and nothing
+  // written; otherwise the acquire as above (the INSERT of a new key cannot conflict with mine).
+  prepare_one(c, names[kAcquireAgain],
+              lease_acquire("mine AS MATERIALIZED (SELECT t.fence, t.attempts FROM " + qt + " t, " + now +
+                                " WHERE t.key = $1 AND t.state = 1 AND t.token = $5 AND t.lease_until > c.ms AND "
+                                "t.expires_at > c.ms), ",
+                            " AND NOT EXISTS (SELECT 1 FROM mine)") +
+                  " UNION ALL SELECT 0::smallint, fence, false, attempts, 0::bigint, ''::bytea FROM mine",
+              8);
+  // The holder-checked writes. `done` says what this holder's own write left on the row: the
+  // Again variant answers one row when it writes now or finds that write already made.
+  const auto holder_write = [&](Stmt st, Stmt again, const std::string& set, const std::string& done, int n) {
+    const std::string update = "UPDATE " + qt + " t SET " + set + " FROM " + now + " WHERE " + holder;
+    prepare_one(c, names[st], update, n);
+    if (again == st) return;
+    prepare_one(c, names[again],
+                "WITH u AS (" + update + " RETURNING 1) SELECT 1 FROM u UNION ALL SELECT 1 FROM " + qt + " t, " +
+                    now + " WHERE t.key = $1 AND t.fence = $2 AND t.token = $3 AND " + done +
+                    " AND t.expires_at > c.ms AND NOT EXISTS (SELECT 1 FROM u)",
+                n);
+  };
+  const std::string expiry = "lease_until = 0, expires_at = c.ms + $5, purge_after = (c.ms + $5 + 999) / 1000 * 1000";
+  holder_write(kComplete, kCompleteAgain, "state = 2, result = $4, " + expiry, "t.state = 2 AND NOT t.permanent", 5);
+  // Completed without its result: permanent marks it, error says why (acquire answers status 5).
+  holder_write(kUnavailable, kUnavailableAgain, "state = 2, result = '', permanent = true, error = $4, " + expiry,
+               "t.state = 2 AND t.permanent", 5);
+  holder_write(kFail, kFailAgain,
+               "state = 3, error = $4, lease_until = 0, permanent = $5, retry_at = c.ms + $6, "
+               "expires_at = c.ms + $7, purge_after = (c.ms + $7 + 999) / 1000 * 1000",
+               "t.state = 3 AND t.permanent = $5", 7);
+  // Extending twice is extending: its own retry needs no variant.
+  holder_write(kExtend, kExtend,
+               "lease_until = c.ms + $4, expires_at = greatest(t.expires_at, c.ms + $4), "
+               "purge_after = (greatest(t.expires_at, c.ms + $4) + 999) / 1000 * 1000",
+               "", 4);
   prepare_one(c, names[kInspect],
               "SELECT state, fence, token, owner, lease_until, retry_at, attempts, permanent, fingerprint, result, "
               "error FROM " +
@@ -110,13 +130,6 @@ void StoreImpl::prepare(Connection& c) {
   if (opt.auto_migrate) ensure_migrated(c.pg);
   prepare_all(c.pg);
   c.sets.push_back(statement_set);
-}
-
-PostgresResult StoreImpl::run(Session& s, Stmt st, const Params& p, std::string_view what) {
-  PostgresResult r =
-      ResultAccess::wrap(PQexecPrepared(s.pg(), names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1));
-  if (!result_ok(ResultAccess::native(r))) throw_result(what, ResultAccess::native(r), s.pg(), store_missing);
-  return r;
 }
 
 }  // namespace idem::detail

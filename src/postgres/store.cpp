@@ -14,7 +14,8 @@ namespace detail {
 namespace {
 
 constexpr std::array<const char*, kStatementCount> statement_suffixes{
-    "acquire", "acquire_lease", "complete", "fail", "extend", "inspect", "purge", "tx_complete", "record_failure"};
+    "acquire",     "acquire_lease",      "acquire_again", "complete", "complete_again", "unavailable",
+    "unavailable_again", "fail", "fail_again", "extend", "inspect", "purge", "tx_complete", "record_failure"};
 
 PostgresStoreOptions checked(PostgresStoreOptions o) {
   if (!valid_identifier(o.schema, 63) || o.schema.rfind("pg_", 0) == 0)
@@ -26,6 +27,9 @@ PostgresStoreOptions checked(PostgresStoreOptions o) {
   if (o.lock_timeout <= millis{0})
     throw invalid_options_error(
         "idem: PostgresStoreOptions::lock_timeout must be > 0; it bounds how long a duplicate waits");
+  if (o.max_result_bytes == 0 || o.max_result_bytes > max_pg_result_bytes)
+    throw invalid_options_error("idem: PostgresStoreOptions::max_result_bytes must be 1.." +
+                                std::to_string(max_pg_result_bytes) + " (bytea holds at most 1 GB); the default is 64 MiB");
   if (o.isolation != "read committed" && o.isolation != "repeatable read" && o.isolation != "serializable")
     throw invalid_options_error(
         "idem: PostgresStoreOptions::isolation must be \"read committed\", "
@@ -47,6 +51,14 @@ AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token) {
 std::uint64_t as_u64(std::int64_t v) { return static_cast<std::uint64_t>(v); }
 
 }  // namespace
+
+void check_pg_key(std::string_view key) {
+  // The store's own limit: no option raises it, so the advice is to hash, not to raise a limit.
+  if (key.size() > max_pg_key_bytes)
+    throw invalid_key_error("idem: the idempotency key is " + std::to_string(key.size()) +
+                            " bytes, over PostgresStore's limit of " + std::to_string(max_pg_key_bytes) +
+                            " (a btree entry); hash long keys (idem::fingerprint)");
+}
 
 std::string clean_owner(std::string_view o) {
   std::string s(o.substr(0, 200));
@@ -93,8 +105,10 @@ AcquireResult decode_acquire(const PGresult* r, std::uint64_t token) {
     throw corrupt_record_error("idem: postgres acquire returned an unexpected shape");
   AcquireResult a;
   const auto st = be_int(r, 0, 0, 2);
-  if (st < 0 || st > 4) throw corrupt_record_error("idem: postgres acquire returned status " + std::to_string(st));
-  a.status = static_cast<AcquireStatus>(st);
+  if (st < 0 || st > 5) throw corrupt_record_error("idem: postgres acquire returned status " + std::to_string(st));
+  // 5 (schema v2): a duplicate whose result was not stored; the payload is why.
+  a.status = st == 5 ? AcquireStatus::duplicate : static_cast<AcquireStatus>(st);
+  a.result_unavailable = st == 5;
   a.takeover = bool_of(r, 0, 2);
   a.attempts = static_cast<std::uint32_t>(be_int(r, 0, 3, 4));
   a.retry_after = millis{std::max<std::int64_t>(0, be_int(r, 0, 4, 8))};
@@ -116,6 +130,14 @@ StoreImpl::StoreImpl(std::shared_ptr<PostgresClient> c, PostgresStoreOptions o)
     names[i] = "idem" + std::to_string(statement_set) + "_" + statement_suffixes[i];
 }
 
+Params StoreImpl::completion(std::string_view key, const Holder& h, std::string_view value, millis retention) const {
+  check_holder(key, h);
+  check_lease(retention, "retention");
+  Params p;
+  p.bin(key).num(as_i64(h.fence)).num(as_i64(h.token)).bin(value).num(retention.count());
+  return p;
+}
+
 Params StoreImpl::acquire_params(std::string_view key, const AcquireParams& ap, const std::string& owner,
                                  bool tx) const {
   Params p;
@@ -132,23 +154,9 @@ AcquireResult StoreImpl::lock_busy(const AcquireParams& ap) {
   return a;
 }
 
-// A pooled session ready for the store's statements.
-class Ready : public Session {
- public:
-  explicit Ready(StoreImpl& s) : Session(s.client.pool()) {
-    try {
-      s.prepare(*get());
-    } catch (...) {
-      healthy(false);
-      throw;
-    }
-  }
-};
-
 }  // namespace detail
 
 using detail::Params;
-using detail::Ready;
 using detail::ResultAccess;
 
 PostgresStore::PostgresStore(PostgresOptions options, PostgresStoreOptions store)
@@ -161,6 +169,7 @@ PostgresStore& PostgresStore::operator=(PostgresStore&&) noexcept = default;
 
 bool PostgresStore::transactional() const noexcept { return impl_->opt.mode == PostgresMode::transactional; }
 const PostgresStoreOptions& PostgresStore::options() const noexcept { return impl_->opt; }
+StoreLimits PostgresStore::limits() const noexcept { return {max_key_bytes, impl_->opt.max_result_bytes}; }
 const std::shared_ptr<PostgresClient>& PostgresStore::client() const noexcept { return impl_->client_ptr; }
 const std::string& PostgresStore::qualified_table() const noexcept { return impl_->qt; }
 
@@ -168,54 +177,54 @@ void PostgresStore::migrate() { impl_->migrate(); }
 
 AcquireResult PostgresStore::acquire(std::string_view key, const AcquireParams& ap) {
   detail::check_acquire(key, ap);
-  detail::check_key(key, detail::max_pg_key_bytes);
-  Ready s(*impl_);
+  detail::check_pg_key(key);
   Params p = impl_->acquire_params(key, ap, detail::clean_owner(ap.owner), false);
-  PostgresResult r = ResultAccess::wrap(PQexecPrepared(s.pg(), impl_->names[detail::kAcquireLease].c_str(), p.size(),
-                                                       p.values(), p.lengths(), p.formats(), 1));
+  PostgresResult r = impl_->exchange(detail::kAcquireLease, detail::kAcquireAgain, p, "acquire", true);
   const PGresult* res = ResultAccess::native(r);
   if (!detail::result_ok(res)) {
     if (detail::sqlstate_of(res) == "55P03") return detail::StoreImpl::lock_busy(ap);
-    detail::throw_result("acquire", res, s.pg(), detail::store_missing);
+    detail::throw_result("acquire", res, nullptr, detail::store_missing);
   }
   return detail::decode_acquire_lease(res, ap.token);
 }
 
 WriteStatus PostgresStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
-  detail::check_holder(key, h);
-  detail::check_lease(retention, "retention");
-  Ready s(*impl_);
-  Params p;
-  p.bin(key).num(detail::as_i64(h.fence)).num(detail::as_i64(h.token)).bin(result).num(retention.count());
-  return impl_->run(s, detail::kComplete, p, "complete").affected() == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+  if (result.size() > impl_->opt.max_result_bytes)
+    throw usage_error("idem: a result of " + std::to_string(result.size()) + " bytes is over PostgresStoreOptions::max_result_bytes (" +
+                      std::to_string(impl_->opt.max_result_bytes) + "); nothing was written, use complete_unavailable");
+  return impl_->write(detail::kComplete, detail::kCompleteAgain, impl_->completion(key, h, result, retention),
+                      "complete");
+}
+
+WriteStatus PostgresStore::complete_unavailable(std::string_view key, const Holder& h, std::string_view reason,
+                                                millis retention) {
+  return impl_->write(detail::kUnavailable, detail::kUnavailableAgain, impl_->completion(key, h, reason, retention),
+                      "complete_unavailable");
 }
 
 WriteStatus PostgresStore::fail(std::string_view key, const Holder& h, const FailParams& f) {
   detail::check_holder(key, h);
   detail::check_lease(f.retention, "retention");
-  Ready s(*impl_);
   Params p;
   p.bin(key).num(detail::as_i64(h.fence)).num(detail::as_i64(h.token)).bin(f.error);
   p.boolean(!f.release && f.permanent).num(f.release ? 0 : std::max<std::int64_t>(0, f.backoff.count()));
   p.num(f.retention.count());
-  return impl_->run(s, detail::kFail, p, "fail").affected() == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+  return impl_->write(detail::kFail, detail::kFailAgain, p, "fail");
 }
 
 WriteStatus PostgresStore::extend(std::string_view key, const Holder& h, millis lease) {
   detail::check_holder(key, h);
   detail::check_lease(lease);
-  Ready s(*impl_);
   Params p;
   p.bin(key).num(detail::as_i64(h.fence)).num(detail::as_i64(h.token)).num(lease.count());
-  return impl_->run(s, detail::kExtend, p, "extend").affected() == 1 ? WriteStatus::ok : WriteStatus::lease_lost;
+  return impl_->write(detail::kExtend, detail::kExtend, p, "extend");
 }
 
 std::optional<Record> PostgresStore::inspect(std::string_view key) {
   detail::check_key(key, static_cast<std::size_t>(-1));
-  Ready s(*impl_);
   Params p;
   p.bin(key);
-  PostgresResult r = impl_->run(s, detail::kInspect, p, "inspect");
+  PostgresResult r = impl_->run(detail::kInspect, detail::kInspect, p, "inspect", false);
   if (r.rows() == 0) return std::nullopt;
   const PGresult* res = ResultAccess::native(r);
   using detail::be_int;
@@ -245,11 +254,11 @@ std::optional<Record> PostgresStore::inspect(std::string_view key) {
 std::size_t PostgresStore::purge_expired(std::size_t batch, std::size_t max_batches) {
   if (batch == 0) throw invalid_options_error("idem: purge_expired batch must be > 0");
   std::size_t total = 0;
-  Ready s(*impl_);
   for (std::size_t i = 0; i < max_batches; ++i) {
     Params p;
     p.num(static_cast<std::int64_t>(batch));
-    const std::uint64_t n = impl_->run(s, detail::kPurge, p, "purge").affected();
+    // Deleting expired rows again deletes nothing twice: safe to send again.
+    const std::uint64_t n = impl_->run(detail::kPurge, detail::kPurge, p, "purge", false).affected();
     total += n;
     if (n < batch) break;
   }
@@ -258,7 +267,7 @@ std::size_t PostgresStore::purge_expired(std::size_t batch, std::size_t max_batc
 
 PostgresStore::Transaction PostgresStore::begin(std::string_view key, const AcquireParams& ap) {
   detail::check_acquire(key, ap);
-  detail::check_key(key, detail::max_pg_key_bytes);
+  detail::check_pg_key(key);
   return impl_->begin(key, ap);
 }
 

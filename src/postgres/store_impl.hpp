@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -16,13 +17,18 @@
 namespace idem::detail {
 
 extern const char* const pg_schema_v1_sql;  // generated from schema_v1.sql at build time
+extern const char* const pg_schema_v2_sql;  // generated from schema_v2.sql at build time
 
 inline constexpr MissingSchemaHint store_missing{
     "; the idem schema is missing: call PostgresStore::migrate() or set auto_migrate", true};
 
 // Keys sit in a btree whose entries must stay below ~2.7 kB; longer keys are refused up front
 // with a typed error rather than by the server halfway through a transition.
-inline constexpr std::size_t max_pg_key_bytes = 2048;
+inline constexpr std::size_t max_pg_key_bytes = PostgresStore::max_key_bytes;
+// Keys of acquire / begin: at most max_pg_key_bytes (invalid_key_error, advising to hash).
+void check_pg_key(std::string_view key);
+// bytea holds at most 1 GB; the option may not promise more.
+inline constexpr std::size_t max_pg_result_bytes = (std::size_t{1} << 30) - 1;
 
 // Parameters of our prepared statements: bytea in binary (keys are arbitrary bytes), the rest as text.
 class Params {
@@ -58,12 +64,19 @@ std::string clean_owner(std::string_view o);
 
 inline std::int64_t as_i64(std::uint64_t v) { return static_cast<std::int64_t>(v); }
 
-// The prepared statements of a store, by index into StoreImpl::names.
+// The prepared statements of a store, by index into StoreImpl::names. A *Again statement is what
+// a lease-mode call sends on a second session when the first died under it: the same request,
+// which also recognises this holder's own earlier write as done (so a lost reply settles).
 enum Stmt : std::size_t {
   kAcquire,       // transactional-mode claim (begin)
   kAcquireLease,  // lease mode (acquire): $8 is always ''
+  kAcquireAgain,  // kAcquireLease, or acquired with the live row's fence when its token is ours
   kComplete,
+  kCompleteAgain,
+  kUnavailable,  // complete_unavailable
+  kUnavailableAgain,
   kFail,
+  kFailAgain,
   kExtend,
   kInspect,
   kPurge,
@@ -79,8 +92,15 @@ class StoreImpl {
   // statements.cpp: prepares this store's statements on a pooled session (migrating the schema
   // first when auto_migrate). On failure some may be prepared: the caller must drop the session.
   void prepare(Connection& c);
-  // Runs prepared statement `st`; throws the mapped error.
-  PostgresResult run(Session& s, Stmt st, const Params& p, std::string_view what);
+  // call.cpp: a lease-mode call. Sends prepared statement `st` on a pooled session; if the
+  // session dies under it, sends `again` once on another session. `writes`: the request changes
+  // the record, so a reply lost after sending that cannot be settled is outcome_unknown_error.
+  // exchange returns the server's answer unchecked; run throws the mapped error for a failure.
+  PostgresResult exchange(Stmt st, Stmt again, const Params& p, std::string_view what, bool writes);
+  PostgresResult run(Stmt st, Stmt again, const Params& p, std::string_view what, bool writes);
+  // A holder-checked write (complete, fail, extend, ...): ok when one row was written (or, for
+  // `again`, found already written by this holder).
+  WriteStatus write(Stmt st, Stmt again, const Params& p, std::string_view what);
 
   // migrate.cpp
   void migrate();
@@ -88,7 +108,11 @@ class StoreImpl {
 
   // transaction.cpp
   PostgresStore::Transaction begin(std::string_view key, const AcquireParams& ap);
+  // One claim; nullopt (unless `last`) when its session died under it.
+  std::optional<PostgresStore::Transaction> try_begin(std::string_view key, const AcquireParams& ap, bool last);
 
+  // The parameters of complete / complete_unavailable (key, fence, token, value, retention), checked.
+  Params completion(std::string_view key, const Holder& h, std::string_view value, millis retention) const;
   Params acquire_params(std::string_view key, const AcquireParams& ap, const std::string& owner, bool tx) const;
   // A row lock held by another transaction (a transactional-mode holder): its lease end is not
   // visible, so the caller is told to come back after at most one lease.

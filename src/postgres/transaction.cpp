@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -39,6 +40,15 @@ bool read_pipeline(PGconn* c, PostgresResult* out, std::size_t n) {
 }  // namespace
 
 PostgresStore::Transaction StoreImpl::begin(std::string_view key, const AcquireParams& ap) {
+  // A claim whose session died under it committed nothing (COMMIT is never in its pipeline, and
+  // the server rolls back a dead session's transaction): it is sent once more on another session.
+  std::optional<PostgresStore::Transaction> tx = try_begin(key, ap, false);
+  if (!tx) tx = try_begin(key, ap, true);
+  return std::move(*tx);
+}
+
+std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view key, const AcquireParams& ap,
+                                                               bool last) {
   PostgresStore::Transaction tx;
   tx.store_ = this;
   const std::string owner = clean_owner(ap.owner);
@@ -61,6 +71,10 @@ PostgresStore::Transaction StoreImpl::begin(std::string_view key, const AcquireP
     const PGresult* r1 = ResultAccess::native(res[1]);
     if (!complete) {
       healthy = false;
+      if (!last && PQstatus(c) != CONNECTION_OK) {
+        client.pool().checkin(std::move(conn), false);
+        return std::nullopt;
+      }
       throw_result("begin", !result_ok(r0) ? r0 : r1, c, store_missing);
     }
     if (!result_ok(r0)) throw_result("begin", r0, c, store_missing);

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cerrno>
+#include <charconv>
 #include <cstring>
 #include <utility>
 
@@ -114,7 +115,8 @@ ContextPtr Client::connect() const {
   if (write_all(c->fd, hello.all()) != hello.all().size()) throw_io(c.get(), "while authenticating", false);
   std::string first_error;
   for (std::size_t i = 0; i < hello.size(); ++i) {
-    ReplyPtr r = read_reply(c.get(), "while authenticating");
+    // No request of the caller's was sent yet: a failure here is an ordinary connection error.
+    ReplyPtr r = read_reply(c.get(), "while authenticating", false);
     if (is_error(r.get()) && first_error.empty()) first_error = std::string(reply_text(r.get()));
   }
   if (!first_error.empty()) throw_reply_error(first_error, "the connection handshake (AUTH/SELECT)", store_hints);
@@ -129,14 +131,20 @@ void Client::send(redisContext* c, std::string_view data, std::size_t first) con
   throw_io(c, "while sending a pipeline", true);
 }
 
-void Client::resend(redisContext* c, std::string_view data, const char* during) const {
+void Client::resend_after(redisContext* c, std::string_view data, const char* during) const {
   if (write_all(c->fd, data) != data.size()) throw_io(c, during, false);
 }
 
-ReplyPtr Client::read_reply(redisContext* c, const char* during) const {
+ReplyPtr Client::read_reply(redisContext* c, const char* during, bool maybe_ran) const {
   void* r = nullptr;
-  if (redisGetReply(c, &r) != REDIS_OK || r == nullptr) throw_io(c, during, true);
+  if (redisGetReply(c, &r) != REDIS_OK || r == nullptr) throw_io(c, during, maybe_ran);
   return ReplyPtr(static_cast<redisReply*>(r));
+}
+
+void Client::throw_io(const redisContext* c, const char* during, bool maybe_ran) const {
+  IoFailure f = io_failure(c, during, where_, opt_.command_timeout);
+  if (maybe_ran) throw InDoubt{std::move(f)};
+  throw_io_error(f, false);
 }
 
 void Client::throw_unsent(const NotSent& e) const {
@@ -161,39 +169,42 @@ namespace {
 bool is_noscript(const redisReply* r) { return is_error(r) && error_code(reply_text(r)) == "NOSCRIPT"; }
 }  // namespace
 
-ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints) {
-  return with_connection([&](redisContext* c) {
-    send(c, req.view(), req.size);
-    ReplyPtr reply = read_reply(c, "to EVALSHA");
-    if (is_noscript(reply.get())) {
-      load(c, s, hints);
-      resend(c, req.view(), "while sending EVALSHA");
-      reply = read_reply(c, "to EVALSHA");
-    }
-    return reply;
-  });
+ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend) {
+  return with_resend(
+      [&](redisContext* c) {
+        send(c, req.view(), req.size);
+        ReplyPtr reply = read_reply(c, "to EVALSHA");
+        if (is_noscript(reply.get())) {
+          load(c, s, hints);
+          resend_after(c, req.view(), "while sending EVALSHA");
+          reply = read_reply(c, "to EVALSHA");
+        }
+        return reply;
+      },
+      resend, script(s).name);
 }
 
-std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints) {
-  std::vector<ReplyPtr> out(p.size());
-  if (p.size() == 0) return out;
-  with_connection([&](redisContext* c) {
-    send(c, p.all(), p[0].size());
-    std::vector<std::size_t> again;
-    for (std::size_t i = 0; i < p.size(); ++i) {
-      out[i] = read_reply(c, "to a batch of EVALSHA");
-      if (is_noscript(out[i].get())) again.push_back(i);
-    }
-    if (!again.empty()) {
-      load(c, s, hints);
-      std::string all;
-      for (std::size_t i : again) all += p[i];
-      resend(c, all, "while sending a batch of EVALSHA");
-      for (std::size_t i : again) out[i] = read_reply(c, "to a batch of EVALSHA");
-    }
-    return 0;
-  });
-  return out;
+std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend) {
+  if (p.size() == 0) return {};
+  return with_resend(
+      [&](redisContext* c) {
+        std::vector<ReplyPtr> out(p.size());
+        send(c, p.all(), p[0].size());
+        std::vector<std::size_t> again;
+        for (std::size_t i = 0; i < p.size(); ++i) {
+          out[i] = read_reply(c, "to a batch of EVALSHA");
+          if (is_noscript(out[i].get())) again.push_back(i);
+        }
+        if (!again.empty()) {
+          load(c, s, hints);
+          std::string all;
+          for (std::size_t i : again) all += p[i];
+          resend_after(c, all, "while sending a batch of EVALSHA");
+          for (std::size_t i : again) out[i] = read_reply(c, "to a batch of EVALSHA");
+        }
+        return out;
+      },
+      resend, script(s).name);
 }
 
 ReplyPtr Client::call(const Request& req, const char* during) {
@@ -203,18 +214,50 @@ ReplyPtr Client::call(const Request& req, const char* during) {
   });
 }
 
-std::string Client::eviction_policy(std::string* problem) {
-  const Request req =
-      Command().arg("CONFIG").arg("GET").arg("maxmemory-policy").format();
-  ReplyPtr r = call(req, "to CONFIG GET");
-  if (is_error(r.get())) {
-    if (problem) *problem = std::string(reply_text(r.get()));
-    return {};
+namespace {
+// The value of `name` in a CONFIG GET reply (name, value, name, value...), or nullptr.
+const redisReply* config_value(const redisReply* r, std::string_view name) {
+  if (r->type != REDIS_REPLY_ARRAY) return nullptr;
+  for (std::size_t i = 0; i + 1 < r->elements; i += 2)
+    if (r->element[i]->type == REDIS_REPLY_STRING && reply_text(r->element[i]) == name &&
+        r->element[i + 1]->type == REDIS_REPLY_STRING)
+      return r->element[i + 1];
+  return nullptr;
+}
+
+bool config_number(const redisReply* r, std::string_view name, std::uint64_t& out) {
+  const redisReply* v = config_value(r, name);
+  if (v == nullptr) return false;
+  const std::string_view t = reply_text(v);
+  return std::from_chars(t.data(), t.data() + t.size(), out).ec == std::errc{};
+}
+}  // namespace
+
+// `CONFIG GET maxmemory*` rather than naming two settings: Redis < 7 takes one pattern only.
+ServerConfig Client::server_config() {
+  Pipeline p;
+  p.add(Command().arg("CONFIG").arg("GET").arg("maxmemory*").format());
+  p.add(Command().arg("CONFIG").arg("GET").arg("proto-max-bulk-len").format());
+  std::array<ReplyPtr, 2> r = with_connection([&](redisContext* c) {
+    send(c, p.all(), p[0].size());
+    std::array<ReplyPtr, 2> out;
+    for (auto& one : out) one = read_reply(c, "to CONFIG GET");
+    return out;
+  });
+  ServerConfig cfg;
+  for (const ReplyPtr& one : r)
+    if (is_error(one.get())) {
+      cfg.problem = reply_text(one.get());
+      return cfg;
+    }
+  const redisReply* policy = config_value(r[0].get(), "maxmemory-policy");
+  if (policy == nullptr || !config_number(r[0].get(), "maxmemory", cfg.maxmemory) ||
+      !config_number(r[1].get(), "proto-max-bulk-len", cfg.max_bulk_len)) {
+    cfg.problem = "unexpected reply to CONFIG GET";
+    return cfg;
   }
-  if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r->element[1]->type == REDIS_REPLY_STRING)
-    return std::string(reply_text(r->element[1]));
-  if (problem) *problem = "unexpected reply to CONFIG GET maxmemory-policy";
-  return {};
+  cfg.policy = reply_text(policy);
+  return cfg;
 }
 
 }  // namespace detail::redis
@@ -245,6 +288,6 @@ const std::shared_ptr<RedisClient>& ClientHandle::client() const {
 RedisClient::RedisClient(RedisOptions options) : impl_(std::make_unique<detail::redis::Client>(std::move(options))) {}
 RedisClient::~RedisClient() = default;
 const RedisOptions& RedisClient::options() const noexcept { return impl_->options(); }
-std::string RedisClient::eviction_policy() { return impl_->eviction_policy(nullptr); }
+std::string RedisClient::eviction_policy() { return impl_->server_config().policy; }
 
 }  // namespace idem

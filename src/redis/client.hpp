@@ -5,6 +5,7 @@
 // parse replies.
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -13,6 +14,7 @@
 #include <hiredis/hiredis.h>
 
 #include "command.hpp"
+#include "idem/core/error.hpp"
 #include "pool.hpp"
 #include "idem/redis/options.hpp"
 #include "scripts.hpp"
@@ -48,10 +50,32 @@ extern const ReplyErrorHints sequence_hints;
 [[noreturn]] void throw_reply_error(std::string_view text, std::string_view what, const ReplyErrorHints& hints);
 // A reply of a shape idem's scripts never send.
 [[noreturn]] void throw_bad_reply(std::string_view what);
-// A socket failure or timeout while `during` (e.g. "to EVALSHA").
-[[noreturn]] void throw_io_error(const redisContext* c, const char* during, bool maybe_ran, const std::string& where,
-                                 millis command_timeout);
+// A socket failure or timeout while `during` (e.g. "to EVALSHA"): what happened, without advice.
+struct IoFailure {
+  std::string text;  // "Redis at host:port did not answer ...", "connection to Redis at ... broke ..."
+  bool timed_out = false;
+};
+IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout);
+// timeout_error or connection_error (retryable), saying whether the request may have run.
+[[noreturn]] void throw_io_error(const IoFailure& f, bool maybe_ran);
+// A request whose reply was lost was sent once more, as the same holder, and that did not settle
+// it either (`second` says why): outcome_unknown_error. `what` names the request.
+[[noreturn]] void throw_outcome_unknown(const IoFailure& first, std::string_view what, std::string_view second,
+                                        std::string code);
 std::string ms(millis d);
+
+// Whether a request whose reply was lost (it may have run) is sent once more on a fresh
+// connection: same_holder for idem's holder scripts, which answer their own step already done as
+// done (record.lua); never for anything else.
+enum class Resend { never, same_holder };
+
+// What the server's settings allow, read by CONFIG GET (ServerConfig::problem says when it could not be).
+struct ServerConfig {
+  std::string policy;              // maxmemory-policy
+  std::uint64_t maxmemory = 0;     // bytes; 0 = no limit, nothing is evicted
+  std::uint64_t max_bulk_len = 0;  // proto-max-bulk-len: the longest argument the server takes
+  std::string problem;             // why the settings could not be read (e.g. NOPERM), "" when they were
+};
 
 // `what()` is built only when the reply is an error, so the hot path formats no message.
 template <class What>
@@ -73,14 +97,14 @@ public:
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);
   // One EVALSHA; NOSCRIPT (SCRIPT FLUSH, a restart: the call ran nothing) reloads the script and
-  // resends. An error reply is returned, not thrown.
-  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints);
+  // resends. An error reply is returned, not thrown. `resend` says what a lost reply does.
+  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend);
   // Many EVALSHA of `s` in one write and one read pass; NOSCRIPT ones are resent after a reload.
-  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints);
-  // One plain command (`during` names it in I/O errors); an error reply is returned.
+  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend);
+  // One plain command (`during` names it in I/O errors); an error reply is returned. Never resent.
   ReplyPtr call(const Request& req, const char* during);
-  // The server's maxmemory-policy, or "" with the reason in `problem`.
-  std::string eviction_policy(std::string* problem);
+  // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip.
+  ServerConfig server_config();
 
 private:
   struct Traits {
@@ -91,38 +115,86 @@ private:
     static bool reusable(connection& c) noexcept { return c && c->err == 0; }
   };
 
+  // The request never reached the server whole, so it did not run: safe to send again elsewhere.
+  struct NotSent {
+    std::string why;
+  };
+  // The request was sent but its reply never came: it may have run.
+  struct InDoubt {
+    IoFailure failure;
+  };
+
   // Runs f(connection); a request that never left this process is sent once more on a fresh
-  // connection (it cannot have run); anything later is reported, never retried.
+  // connection (it cannot have run). Throws InDoubt when it may have run.
   template <class F>
-  auto with_connection(F&& f) {
-    for (int attempt = 0;; ++attempt) {
-      typename Pool<Traits>::Lease lease(pool_);
+  auto attempt(F& f) {
+    for (int n = 0;; ++n) {
       try {
+        typename Pool<Traits>::Lease lease(pool_);  // closed on the way out unless healthy
         auto result = f(lease.get().get());
         lease.healthy();
         return result;
       } catch (const NotSent& e) {
-        if (attempt == 0) continue;
+        if (n == 0) continue;
         throw_unsent(e);
       }
     }
   }
 
-  // The request never reached the server whole, so it did not run: safe to send again elsewhere.
-  struct NotSent {
-    std::string why;
-  };
-  [[noreturn]] void throw_unsent(const NotSent& e) const;
-  [[noreturn]] void throw_io(const redisContext* c, const char* during, bool maybe_ran) const {
-    throw_io_error(c, during, maybe_ran, where_, opt_.command_timeout);
+  // attempt(f); a lost reply is an error (timeout_error, connection_error), never resent.
+  template <class F>
+  auto with_connection(F&& f) {
+    try {
+      return attempt(f);
+    } catch (const InDoubt& e) {
+      throw_io_error(e.failure, true);
+    }
   }
+
+  // attempt(f); with Resend::same_holder a lost reply sends the same request once more on a fresh
+  // connection: the scripts answer a step this holder already made as made. If that cannot be
+  // done or does not settle it (no reply again, an error reply), the outcome is unknown.
+  template <class F>
+  auto with_resend(F&& f, Resend resend, std::string_view what) {
+    if (resend == Resend::never) return with_connection(f);
+    IoFailure first;
+    try {
+      return attempt(f);
+    } catch (const InDoubt& e) {
+      first = e.failure;
+    }
+    std::string second, code;
+    try {
+      auto result = attempt(f);
+      const redisReply* bad = first_error(result);
+      if (bad == nullptr) return result;
+      second = reply_text(bad);
+      code = error_code(second);
+    } catch (const InDoubt& e) {
+      second = e.failure.text;
+    } catch (const error& e) {
+      second = e.what();
+    }
+    throw_outcome_unknown(first, what, second, std::move(code));
+  }
+  static const redisReply* first_error(const ReplyPtr& r) { return is_error(r.get()) ? r.get() : nullptr; }
+  static const redisReply* first_error(const std::vector<ReplyPtr>& rs) {
+    for (const ReplyPtr& r : rs)
+      if (is_error(r.get())) return r.get();
+    return nullptr;
+  }
+
+  [[noreturn]] void throw_unsent(const NotSent& e) const;
+  // An I/O failure on `c`: InDoubt when the request may have run, else the typed error.
+  [[noreturn]] void throw_io(const redisContext* c, const char* during, bool maybe_ran) const;
 
   ContextPtr connect() const;
   // Writes `data` whole; throws NotSent when not even its first `first` bytes (its first request) left.
   void send(redisContext* c, std::string_view data, std::size_t first) const;
   // Writes `data` after an earlier request on the same connection: a failure is an I/O error.
-  void resend(redisContext* c, std::string_view data, const char* during) const;
-  ReplyPtr read_reply(redisContext* c, const char* during) const;
+  void resend_after(redisContext* c, std::string_view data, const char* during) const;
+  // The next reply; a failure is InDoubt when the request may have run (`maybe_ran`).
+  ReplyPtr read_reply(redisContext* c, const char* during, bool maybe_ran = true) const;
   void load(redisContext* c, Script s, const ReplyErrorHints& hints) const;
   static void check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints);
 

@@ -44,6 +44,10 @@ void throw_reply_error(std::string_view text, std::string_view what, const Reply
                       code, false);
   if (code == "LOADING" || code == "BUSY" || code == "MASTERDOWN" || code == "TRYAGAIN" || code == "CLUSTERDOWN")
     throw store_error(msg + "; the server is temporarily unable to serve, retry later", code, true);
+  // min-replicas-to-write unmet: nothing was written (Redis checks before the script's first
+  // write, and a script that fails there writes nothing), and the replicas may come back.
+  if (code == "NOREPLICAS")
+    throw store_error(msg + "; the primary has fewer replicas than min-replicas-to-write, retry later", code, true);
   if (code == "MOVED" || code == "ASK" || code == "CROSSSLOT")
     throw store_error(msg + "; this is a Redis Cluster node, which " + std::string(hints.who) +
                           " does not support yet",
@@ -56,19 +60,32 @@ void throw_bad_reply(std::string_view what) {
   throw store_error("idem: unexpected Redis reply to " + std::string(what), "", false);
 }
 
-void throw_io_error(const redisContext* c, const char* during, bool maybe_ran, const std::string& where,
-                    millis command_timeout) {
+IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout) {
   const int err = errno;
   const std::string text = c->errstr[0] ? c->errstr : std::strerror(err);
-  const std::string tail = maybe_ran ? "; the command may or may not have run, so nothing is assumed (retry later)"
-                                     : "; retry later";
   const bool timed_out = c->err == REDIS_ERR_IO && (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT ||
                                                     text.find("temporarily unavailable") != std::string::npos);
   if (timed_out)
-    throw timeout_error("idem: Redis at " + where + " did not answer " + during + " within command_timeout (" +
-                            ms(command_timeout) + ")" + tail,
-                        "", true);
-  throw connection_error("idem: connection to Redis at " + where + " broke " + during + ": " + text + tail, "", true);
+    return {"Redis at " + where + " did not answer " + during + " within command_timeout (" + ms(command_timeout) + ")",
+            true};
+  return {"connection to Redis at " + where + " broke " + during + ": " + text, false};
+}
+
+void throw_io_error(const IoFailure& f, bool maybe_ran) {
+  const std::string msg = "idem: " + f.text +
+                          (maybe_ran ? "; the command may or may not have run, so nothing is assumed (retry later)"
+                                     : "; retry later");
+  if (f.timed_out) throw timeout_error(msg, "", true);
+  throw connection_error(msg, "", true);
+}
+
+void throw_outcome_unknown(const IoFailure& first, std::string_view what, std::string_view second, std::string code) {
+  throw outcome_unknown_error("idem: the outcome of " + std::string(what) + " is unknown: " + first.text +
+                                  ", and sending it once more as the same holder did not settle it (" +
+                                  std::string(second) +
+                                  "); it may or may not have been written. Nothing is assumed: a key it acquired "
+                                  "lapses after its lease, a completion it made stands",
+                              std::move(code));
 }
 
 }  // namespace idem::detail::redis

@@ -59,9 +59,13 @@ Command& entity_key(Command& cmd, const RedisOptions& o, std::string_view entity
   return cmd.joined({o.key_prefix, "seq:{", entity, "}"});
 }
 
+// complete_advance is a holder's step that recognises itself done (a retried one completes
+// nothing and its compare-and-set does not advance an equal sequence), so a lost reply is asked
+// again; sequence_advance is not resent: a second run would report "not advanced".
 template <class What>
 ReplyPtr run(Client& client, Script s, Command& cmd, const What& what) {
-  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints);
+  const Resend resend = s == Script::complete_advance ? Resend::same_holder : Resend::never;
+  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints, resend);
   throw_if_error(r.get(), sequence_hints, what);
   return r;
 }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_set>
 #include <utility>
 
 #include "client.hpp"
@@ -60,10 +61,12 @@ AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint
       out.retry_after = millis{std::max<std::int64_t>(0, integer(third(), "acquire", key))};
       break;
     case 3:
-    case 4: {
+    case 4:
+    case 6: {  // 6: a duplicate completed without its result; the payload says why
       const redisReply* p = third();
       if (p->type != REDIS_REPLY_STRING) bad_reply("acquire", key);
-      out.status = code == 3 ? AcquireStatus::duplicate : AcquireStatus::previously_failed;
+      out.status = code == 4 ? AcquireStatus::previously_failed : AcquireStatus::duplicate;
+      out.result_unavailable = code == 6;
       out.payload.assign(p->str, p->len);
       break;
     }
@@ -84,20 +87,47 @@ void check_fingerprint(const AcquireParams& p) {
                                 std::to_string(p.fingerprint.size()) + "; pass a hash (idem::fingerprint)");
 }
 
-void warn_on_eviction(Client& client) {
+// Bytes of one call kept for everything but the largest argument (script SHA, fence, token,
+// numbers, the fingerprint and header the record adds to a result): a generous bound, an eighth
+// of a small proto-max-bulk-len (its minimum is 1 MiB).
+constexpr std::uint64_t arg_margin = 1 << 20;
+constexpr std::uint64_t default_max_bulk_len = 512ULL << 20;  // Redis's default proto-max-bulk-len
+
+// Reads the server's settings once: refuses an evicting configuration (or warns when told to
+// accept it, or when the settings cannot be read), and returns what one call can carry.
+StoreLimits check_server(Client& client) {
   const RedisOptions& o = client.options();
-  if (!o.check_eviction_policy || !o.observer) return;
-  std::string problem;
-  const std::string policy = client.eviction_policy(&problem);
-  if (policy.empty()) {
-    o.observer->on_warning("idem: cannot read Redis maxmemory-policy (" + problem +
-                           "); make sure it is noeviction, or idempotency records can be evicted");
-  } else if (policy != "noeviction") {
-    o.observer->on_warning("idem: Redis maxmemory-policy is '" + policy +
-                           "': under memory pressure Redis may evict idempotency records (every one has a "
-                           "TTL, so volatile-* policies evict them too) and their messages would run again; "
-                           "set maxmemory-policy noeviction");
+  const ServerConfig cfg = client.server_config();
+  auto warn = [&](const std::string& m) {
+    if (o.observer) o.observer->on_warning(m);
+  };
+  if (!cfg.problem.empty()) {
+    warn("idem: cannot read the Redis settings maxmemory, maxmemory-policy and proto-max-bulk-len (" + cfg.problem +
+         "); make sure maxmemory-policy is noeviction (or maxmemory 0), or idempotency records can be evicted; "
+         "the ACL user needs +config|get for idem to check it");
+  } else if (cfg.policy != "noeviction") {
+    const std::string why = "Redis maxmemory-policy is '" + cfg.policy +
+                            "': idem's records all carry a TTL, so every policy but noeviction (volatile-* "
+                            "included) can evict them, and their messages would run again";
+    if (cfg.maxmemory == 0) {
+      warn("idem: " + why + " once maxmemory is set (it is 0 now, so nothing is evicted); set maxmemory-policy "
+           "noeviction");
+    } else if (o.unsafe_allow_eviction) {
+      warn("idem: " + why + " (maxmemory " + std::to_string(cfg.maxmemory) +
+           "); accepted because RedisOptions::unsafe_allow_eviction is set");
+    } else {
+      throw store_error("idem: RedisStore refuses this server: " + why + " (maxmemory " +
+                            std::to_string(cfg.maxmemory) +
+                            "). Fix: CONFIG SET maxmemory-policy noeviction (at the limit, writes then fail with "
+                            "OOM and are retried), or maxmemory 0; or accept the risk with "
+                            "RedisOptions::unsafe_allow_eviction = true",
+                        "EVICTION", false);
+    }
   }
+  const std::uint64_t bulk = cfg.max_bulk_len > 0 ? cfg.max_bulk_len : default_max_bulk_len;
+  const std::uint64_t most = std::min<std::uint64_t>(bulk - std::min(arg_margin, bulk / 8), static_cast<std::size_t>(-1));
+  return StoreLimits{.max_key_bytes = static_cast<std::size_t>(most - std::min<std::uint64_t>(most, o.key_prefix.size())),
+                     .max_result_bytes = static_cast<std::size_t>(most)};
 }
 
 // One key's EVALSHA: the script, its key, then the caller's arguments.
@@ -107,8 +137,17 @@ Command eval_one(const RedisOptions& o, Script s, std::string_view key) {
   return cmd;
 }
 
+// Every script but inspect is a holder's step that recognises itself done, so a lost reply is
+// asked again as the same holder (Resend::same_holder); inspect only reads.
+Resend resend_of(Script s) { return s == Script::inspect ? Resend::never : Resend::same_holder; }
+
 ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
-  ReplyPtr r = client.eval(s, cmd.format(), store_hints);
+  ReplyPtr r;
+  try {
+    r = client.eval(s, cmd.format(), store_hints, resend_of(s));
+  } catch (const outcome_unknown_error& e) {  // the client knows the script, not the key
+    throw outcome_unknown_error(std::string(e.what()) + " (key '" + printable(key) + "')", e.code());
+  }
   throw_if_error(r.get(), store_hints,
                  [&] { return std::string(script(s).name) + " of key '" + printable(key) + "'"; });
   return r;
@@ -129,7 +168,7 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
     encode(cmd, from, n);
     pipeline.add(cmd.format());
   }
-  std::vector<ReplyPtr> replies = client.eval_many(s, pipeline, store_hints);
+  std::vector<ReplyPtr> replies = client.eval_many(s, pipeline, store_hints, resend_of(s));
   std::vector<Out> out;
   out.reserve(items.size());
   for (std::size_t c = 0; c < replies.size(); ++c) {
@@ -149,9 +188,8 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
 
 RedisStore::RedisStore(RedisOptions options) : RedisStore(std::make_shared<RedisClient>(std::move(options))) {}
 
-RedisStore::RedisStore(std::shared_ptr<RedisClient> client) : ClientHandle(std::move(client), "RedisStore") {
-  warn_on_eviction(impl());
-}
+RedisStore::RedisStore(std::shared_ptr<RedisClient> client)
+    : ClientHandle(std::move(client), "RedisStore"), limits_(check_server(impl())) {}
 
 AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) {
   detail::check_acquire(key, p);
@@ -162,13 +200,26 @@ AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) 
   return parse_acquire(run_one(c, Script::acquire, cmd, key).get(), key, p.token);
 }
 
-WriteStatus RedisStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+namespace {
+// complete.lua, with (unavailable) or without its fifth argument.
+WriteStatus complete_one(Client& c, std::string_view key, const Holder& h, std::string_view text, millis retention,
+                         bool unavailable) {
   detail::check_holder(key, h);
   detail::check_lease(retention, "retention");
-  Client& c = impl();
   Command cmd = eval_one(c.options(), Script::complete, key);
-  cmd.arg(h.fence).token(h.token).arg(result).arg(retention.count());
+  cmd.arg(h.fence).token(h.token).arg(text).arg(retention.count());
+  if (unavailable) cmd.arg("1");
   return parse_write(run_one(c, Script::complete, cmd, key).get(), "complete", key);
+}
+}  // namespace
+
+WriteStatus RedisStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+  return complete_one(impl(), key, h, result, retention, false);
+}
+
+WriteStatus RedisStore::complete_unavailable(std::string_view key, const Holder& h, std::string_view reason,
+                                             millis retention) {
+  return complete_one(impl(), key, h, reason, retention, true);
 }
 
 WriteStatus RedisStore::fail(std::string_view key, const Holder& h, const FailParams& f) {
@@ -215,7 +266,8 @@ std::optional<Record> RedisStore::inspect(std::string_view key) {
   rec.retry_at_ms = num(5);
   rec.permanent = num(6) != 0;
   rec.fingerprint = str(7);
-  (rec.state == State::failed ? rec.error : rec.result) = str(8);
+  // A completed record's permanent bit: completed without its result, the payload says why.
+  (rec.state == State::failed || rec.permanent ? rec.error : rec.result) = str(8);
   return rec;
 }
 
@@ -223,12 +275,22 @@ std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string
   for (std::string_view k : keys) detail::check_acquire(k, p);
   check_fingerprint(p);
   const std::string_view owner = p.owner.substr(0, 255);
-  return run_batch<AcquireResult>(
+  std::vector<AcquireResult> out = run_batch<AcquireResult>(
       impl(), Script::acquire_batch, keys, [](std::string_view k) { return k; },
       [&](Command& cmd, std::size_t, std::size_t) {
         cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(owner);
       },
       [&](const redisReply* r, std::string_view k) { return parse_acquire(r, k, p.token); });
+  // A key twice in one batch shares the batch's token, so the script takes the second for this
+  // acquisition asked again (as after a lost reply) and answers acquired twice. It is one holder:
+  // the second is in_flight behind the first, as it always was.
+  if (keys.size() > 1) {
+    std::unordered_set<std::string_view> taken;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (out[i].status == AcquireStatus::acquired && !taken.insert(keys[i]).second)
+        out[i] = AcquireResult{.status = AcquireStatus::in_flight, .attempts = out[i].attempts, .retry_after = p.lease};
+  }
+  return out;
 }
 
 std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem> items, millis retention) {
@@ -245,6 +307,6 @@ std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem
 
 std::string RedisStore::redis_key(std::string_view key) const { return impl().options().key_prefix + std::string(key); }
 
-std::string RedisStore::eviction_policy() { return impl().eviction_policy(nullptr); }
+std::string RedisStore::eviction_policy() { return impl().server_config().policy; }
 
 }  // namespace idem

@@ -22,6 +22,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "idem/idem.hpp"
@@ -127,6 +128,43 @@ void empty_result_round_trips(F& f) {
   auto d = s.acquire(k, params(6));
   CHECK(d.status == AcquireStatus::duplicate);
   CHECK(d.payload.empty());
+}
+
+// A result the store cannot take completes the key without it (CompletesUnavailable): later
+// acquires are duplicates that say why, and nothing overwrites the record.
+template <class F>
+void complete_unavailable_is_a_duplicate_without_result(F& f) {
+  auto& s = f.store();
+  using S = std::remove_reference_t<decltype(s)>;
+  if constexpr (!CompletesUnavailable<S>) {
+    FAIL("the store has no complete_unavailable: an effect whose result it cannot take would run again");
+  } else {
+    const auto k = f.key("unavailable");
+    auto r = s.acquire(k, params(41));
+    REQUIRE(r.status == AcquireStatus::acquired);
+    CHECK(s.complete_unavailable(k, Holder{r.holder.fence, 999}, "why", 60s) == WriteStatus::lease_lost);
+    CHECK(s.complete_unavailable(k, r.holder, "result too large", 60s) == WriteStatus::ok);
+    for (std::uint64_t t = 42; t < 44; ++t) {
+      auto d = s.acquire(k, params(t));
+      CHECK(d.status == AcquireStatus::duplicate);
+      CHECK(d.result_unavailable);
+      CHECK(d.payload == "result too large");
+    }
+    CHECK(s.complete(k, r.holder, "late", 60s) == WriteStatus::lease_lost);
+    auto rec = s.inspect(k);
+    REQUIRE(rec);
+    CHECK(rec->state == State::completed);
+    CHECK(rec->permanent);
+    CHECK(rec->error == "result too large");
+    CHECK(rec->result.empty());
+    // An ordinary completion is never taken for an unavailable one.
+    const auto k2 = f.key("available");
+    auto r2 = s.acquire(k2, params(45));
+    REQUIRE(s.complete(k2, r2.holder, "value", 60s) == WriteStatus::ok);
+    auto d2 = s.acquire(k2, params(46));
+    CHECK_FALSE(d2.result_unavailable);
+    CHECK(d2.payload == "value");
+  }
 }
 
 template <class F>
@@ -439,6 +477,8 @@ void guard_replays_and_records_failures(F& f) {
   IDEM_CONTRACT_CASE_(Factory, tag, "completed key replays its result", complete_then_duplicate_replays)       \
   IDEM_CONTRACT_CASE_(Factory, tag, "empty result round-trips", empty_result_round_trips)                      \
   IDEM_CONTRACT_CASE_(Factory, tag, "completed record is never overwritten", completed_is_never_overwritten)   \
+  IDEM_CONTRACT_CASE_(Factory, tag, "a result the store cannot take completes without it",                     \
+                      complete_unavailable_is_a_duplicate_without_result)                                      \
   IDEM_CONTRACT_CASE_(Factory, tag, "wrong holder cannot complete fail or extend", wrong_holder_cannot_write)  \
   IDEM_CONTRACT_CASE_(Factory, tag, "extend keeps the lease", extend_keeps_the_lease)                          \
   IDEM_CONTRACT_CASE_(Factory, tag, "release frees the key and the fence grows",                               \

@@ -2,6 +2,7 @@
 // Test support for PostgresStore: the fixture server's conninfo, raw SQL, unique names, and the
 // factory the contract suite instantiates.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <optional>
 
+#include <catch2/catch.hpp>
 #include <libpq-fe.h>
 
 #include "idem/guard/guard.hpp"
@@ -34,12 +36,42 @@ inline std::string conninfo() {
   return line;
 }
 
+// The fixture server's port ("host=127.0.0.1 port=N user=postgres dbname=postgres").
+inline int port(const std::string& ci = conninfo()) {
+  const auto at = ci.find("port=");
+  if (at == std::string::npos) throw std::runtime_error("no port in conninfo " + ci);
+  return std::stoi(ci.substr(at + 5));
+}
+
 inline std::string random_hex(int n = 12) {
   static thread_local std::mt19937_64 rng{std::random_device{}()};
   static constexpr char digits[] = "0123456789abcdef";
   std::string s;
   for (int i = 0; i < n; ++i) s += digits[rng() % 16];
   return s;
+}
+
+inline std::string key(std::string_view name) { return "s" + random_hex() + ":" + std::string(name); }
+
+inline idem::AcquireParams ap(std::uint64_t token, idem::millis lease = std::chrono::seconds(30)) {
+  idem::AcquireParams p;
+  p.lease = lease;
+  p.retention = std::max<idem::millis>(lease * 4, std::chrono::seconds(60));
+  p.token = token;
+  p.owner = "pg-test";
+  return p;
+}
+
+// The exception of type E that f throws (a test failure when it throws none).
+template <class E, class F>
+E capture(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e;
+  }
+  FAIL("expected exception was not thrown");
+  throw std::logic_error("unreachable");
 }
 
 // A libpq result of the tests' own (PostgresResult wraps only the store's).

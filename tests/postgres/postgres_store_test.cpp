@@ -19,19 +19,11 @@
 using namespace std::chrono_literals;
 using idem::AcquireStatus;
 using idem::WriteStatus;
+using pgtest::ap;
+using pgtest::capture;
+using pgtest::key;
 
 namespace {
-
-idem::AcquireParams ap(std::uint64_t token, idem::millis lease = 30s) {
-  idem::AcquireParams p;
-  p.lease = lease;
-  p.retention = std::max<idem::millis>(lease * 4, 60s);
-  p.token = token;
-  p.owner = "pg-test";
-  return p;
-}
-
-std::string key(std::string_view name) { return "s" + pgtest::random_hex() + ":" + std::string(name); }
 
 int free_port() {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
@@ -44,17 +36,6 @@ int free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
   ::close(fd);
   return ntohs(a.sin_port);
-}
-
-template <class E, class F>
-E capture(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e;
-  }
-  FAIL("expected exception was not thrown");
-  throw std::logic_error("unreachable");
 }
 
 }  // namespace
@@ -133,7 +114,7 @@ TEST_CASE("postgres: concurrent migrations of a fresh schema all succeed, versio
   for (auto& t : ts) t.join();
   CHECK(ok.load() == 6);
   pgtest::Raw raw;
-  CHECK(raw.scalar("SELECT version FROM " + schema + ".idem_schema_version WHERE table_name = 'records'") == "1");
+  CHECK(raw.scalar("SELECT version FROM " + schema + ".idem_schema_version WHERE table_name = 'records'") == "2");
   CHECK(raw.scalar("SELECT count(*) FROM pg_indexes WHERE schemaname = '" + schema +
                    "' AND indexname = 'records_purge_idx'") == "1");
 
@@ -467,10 +448,7 @@ TEST_CASE("postgres: handler statements do not inherit the claim's short lock_ti
 }
 
 TEST_CASE("postgres: conninfo passes through to libpq, URI form and sslmode included", "[postgres]") {
-  const std::string ci = pgtest::conninfo();  // "host=127.0.0.1 port=N user=postgres dbname=postgres"
-  const auto at = ci.find("port=");
-  REQUIRE(at != std::string::npos);
-  const std::string port = ci.substr(at + 5, ci.find(' ', at) - at - 5);
+  const std::string port = std::to_string(pgtest::port());
   auto o = pgtest::options();
   o.client.conninfo = "postgresql://postgres@127.0.0.1:" + port + "/postgres?sslmode=disable&application_name=idem-uri";
   idem::PostgresStore s(o.client, o.store);

@@ -21,6 +21,15 @@ inline std::string random_hex() {
   return s;
 }
 
+// Acquire parameters of the fault and recovery tests: a lease no test outlives, a minute's retention.
+inline AcquireParams acquire_params(std::uint64_t token) {
+  AcquireParams p;
+  p.lease = millis{30'000};
+  p.retention = millis{60'000};
+  p.token = token;
+  return p;
+}
+
 // The ACL user of the least-privilege setup documented in docs/redis.md.
 inline const std::vector<std::string>& acl_config() {
   static const std::vector<std::string> lines{

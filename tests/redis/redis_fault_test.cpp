@@ -23,13 +23,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-idem::AcquireParams params(std::uint64_t token) {
-  idem::AcquireParams p;
-  p.lease = 30s;
-  p.retention = 60s;
-  p.token = token;
-  return p;
-}
+constexpr auto params = &idem::test::acquire_params;
 
 // Runs the guard and checks that the handler did not run and the error had type E.
 template <class E, class Store>
@@ -98,16 +92,23 @@ TEST_CASE("redis that accepts but never answers: timeout_error within the comman
   ::close(fd);
 }
 
-TEST_CASE("redis paused mid-call: timeout_error, then the store recovers", "[redis][fault]") {
+TEST_CASE("redis paused mid-call: the same holder's retry times out too, outcome unknown; then the store recovers",
+          "[redis][fault]") {
   RedisServer server;
   RedisOptions o = server.options();
   o.command_timeout = 300ms;
   RedisStore store(o);
   const std::string k = "pause-" + idem::test::random_hex();
   server.command({"CLIENT", "PAUSE", "1500", "ALL"});
-  auto e = guard_throws<idem::timeout_error>(store, k);
-  CHECK(e.retryable());
+  // The acquire was sent and may run once the pause ends: its outcome is unknown, not a timeout.
+  auto e = guard_throws<idem::outcome_unknown_error>(store, k);
+  CHECK_FALSE(e.retryable());
+  CHECK(std::string(e.what()).find("command_timeout") != std::string::npos);
   std::this_thread::sleep_for(1600ms);
+  // A read is never resent: a plain timeout, retryable.
+  server.command({"CLIENT", "PAUSE", "500", "ALL"});
+  CHECK_THROWS_AS(store.inspect(k), idem::timeout_error);
+  std::this_thread::sleep_for(600ms);
   idem::IdempotencyGuard guard(store);
   CHECK(guard.run(k + "-after", [] { return 1; }).status == idem::Status::executed);
 }
@@ -223,6 +224,7 @@ TEST_CASE("redis garbage record: corrupt_record_error, never a duplicate", "[red
   }
 }
 
+// maxmemory 0 (the default): nothing is evicted yet, so the store is built, with a warning.
 TEST_CASE("redis eviction policy that can drop keys is reported to the observer", "[redis][fault]") {
   RedisServer server;
   auto obs = std::make_shared<Warnings>();
@@ -235,6 +237,35 @@ TEST_CASE("redis eviction policy that can drop keys is reported to the observer"
   REQUIRE(obs->seen.size() == 1);
   CHECK(obs->seen[0].find("volatile-lru") != std::string::npos);
   CHECK(store.eviction_policy() == "volatile-lru");
+}
+
+TEST_CASE("redis that can evict idem's records is refused at construction, observer or not", "[redis][fault]") {
+  RedisServer server;
+  REQUIRE(server.command({"CONFIG", "SET", "maxmemory", "100mb"}) == "OK");
+  RedisOptions o = server.options();
+  { RedisStore ok(o); }  // noeviction at a maxmemory: accepted (writes fail with OOM at the limit)
+  for (const char* policy : {"volatile-lru", "allkeys-lru", "volatile-ttl"}) {
+    INFO(policy);
+    REQUIRE(server.command({"CONFIG", "SET", "maxmemory-policy", policy}) == "OK");
+    try {
+      RedisStore store(o);
+      FAIL("a server that can evict idempotency records was accepted");
+    } catch (const idem::store_error& e) {
+      CHECK(e.code() == "EVICTION");
+      CHECK_FALSE(e.retryable());
+      const std::string what = e.what();
+      CHECK(what.find(policy) != std::string::npos);
+      CHECK(what.find("noeviction") != std::string::npos);
+      CHECK(what.find("unsafe_allow_eviction") != std::string::npos);
+    }
+  }
+  // The loud opt-out: accepted, with a warning.
+  auto obs = std::make_shared<Warnings>();
+  o.unsafe_allow_eviction = true;
+  o.observer = obs;
+  RedisStore store(o);
+  REQUIRE(obs->seen.size() == 1);
+  CHECK(obs->seen[0].find("unsafe_allow_eviction") != std::string::npos);
 }
 
 TEST_CASE("redis ACL user without CONFIG: the policy check warns instead of failing", "[redis][fault][acl]") {

@@ -85,13 +85,16 @@ public:
   using store_error::store_error;
 };
 
-/// The connection was lost while committing: the transaction may or may not have committed.
-/// Never retried blindly (the model is libpqxx's in_doubt_error); reconcile before redelivery.
+/// A write's reply was lost and asking again as the same holder could not settle it (or the
+/// connection was lost during COMMIT): it may or may not have happened. Never retried blindly (the
+/// model is libpqxx's in_doubt_error). retryable() is true only where a redelivery is safe
+/// whatever happened: an in-doubt acquire (the handler did not run; the key frees itself after
+/// the lease); a completion or commit in doubt is not retryable: reconcile (inspect) first.
 class outcome_unknown_error : public store_error {
 public:
-  /// Builds an in-doubt error; never retryable.
-  explicit outcome_unknown_error(const std::string& what, std::string code = {})
-      : store_error(what, std::move(code), false) {}
+  /// Builds an in-doubt error, not retryable unless said so.
+  explicit outcome_unknown_error(const std::string& what, std::string code = {}, bool retryable = false)
+      : store_error(what, std::move(code), retryable) {}
 };
 
 /// A stored record (or stored result) cannot be decoded; never reported as a duplicate.

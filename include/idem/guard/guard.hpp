@@ -316,17 +316,28 @@ private:
   // or the caller's bound), so a redelivery that races the first delivery can still answer
   // Duplicate instead of InFlight.
   AcquireResult acquire_waiting(std::string_view key, AcquireParams& ap) {
-    ap.token = detail::random_token();
-    AcquireResult ar = store_->acquire(key, ap);
+    AcquireResult ar = acquire_once(key, ap);
     if (ar.status != AcquireStatus::in_flight || options_.wait_for_in_flight == millis{0}) return ar;
     const auto deadline = std::chrono::steady_clock::now() + options_.wait_for_in_flight;
     millis pause{10};
     while (ar.status == AcquireStatus::in_flight && std::chrono::steady_clock::now() < deadline) {
       pause = wait_pause(ar, deadline, pause);
-      ap.token = detail::random_token();
-      ar = store_->acquire(key, ap);
+      ar = acquire_once(key, ap);
     }
     return ar;
+  }
+
+  // An acquire in doubt ran no handler: whether or not it took the key, a redelivery is safe
+  // (the key frees itself after the lease), so the caller is told it may retry.
+  AcquireResult acquire_once(std::string_view key, AcquireParams& ap) {
+    ap.token = detail::random_token();
+    try {
+      return store_->acquire(key, ap);
+    } catch (const outcome_unknown_error& e) {
+      if (e.retryable()) throw;
+      throw outcome_unknown_error(std::string(e.what()) + "; the handler did not run: redeliver the message (the key "
+                                  "frees itself after the lease)", e.code(), true);
+    }
   }
 
   static millis wait_pause(const AcquireResult& ar, std::chrono::steady_clock::time_point deadline, millis pause) {

@@ -41,6 +41,10 @@ struct PostgresStoreOptions {
   /// Transactional mode: end a session idle inside its transaction for longer than the lease
   /// (paused or stuck holder), which rolls back its claim; false = hold until the session dies.
   bool idle_timeout_is_lease = true;
+  /// Longest encoded result the store takes (limits()); the guard completes a key whose result is
+  /// larger without it (result_unavailable) instead of sending it. 64 MiB: far below bytea's 1 GB,
+  /// and a write that size still finishes well inside the default 30 s statement_timeout.
+  std::size_t max_result_bytes = std::size_t{64} << 20;
 };
 
 namespace detail {
@@ -52,7 +56,9 @@ struct Connection;
  * The durable StateStore on PostgreSQL. Thread-safe: calls share the sessions of its
  * PostgresClient. Connects lazily (the constructor only validates options) and creates its
  * versioned schema on first use unless auto_migrate is false. Every transition is one round trip
- * on the server clock.
+ * on the server clock. In lease mode, a call whose session dies under it is sent once more on
+ * another session as the same holder (a lost reply is settled, never re-run); if that cannot be
+ * done after the request may have been executed, outcome_unknown_error.
  *
  * In transactional mode the guard claims the key with begin(), runs the handler with the open
  * transaction in ctx.tx (write through ctx.tx->exec), and commits the completion together with
@@ -68,8 +74,11 @@ struct Connection;
  */
 class PostgresStore {
  public:
-  /// The schema version this library installs and expects.
-  static constexpr int schema_version = 1;
+  /// The schema version this library installs and expects (2: acquire reports a result that
+  /// was not stored; a version-1 table is upgraded in place by migrate()).
+  static constexpr int schema_version = 2;
+  /// Longest key the store takes: keys live in a btree whose entries must stay below ~2.7 kB.
+  static constexpr std::size_t max_key_bytes = 2048;
 
   /// An open claiming transaction (transactional mode); move-only; rolls back if destroyed open.
   class Transaction {
@@ -124,6 +133,10 @@ class PostgresStore {
   AcquireResult acquire(std::string_view key, const AcquireParams& params);
   /// Records the result if `holder` still holds the key; else lease_lost and nothing changes.
   WriteStatus complete(std::string_view key, const Holder& holder, std::string_view result, millis retention);
+  /// Completes the key without its result (CompletesUnavailable): `reason` is kept as the record's
+  /// error and later acquires answer duplicate with result_unavailable; lease_lost if not held.
+  WriteStatus complete_unavailable(std::string_view key, const Holder& holder, std::string_view reason,
+                                   millis retention);
   /// Releases or records a failure if `holder` still holds the key; else lease_lost.
   WriteStatus fail(std::string_view key, const Holder& holder, const FailParams& params);
   /// Pushes the lease of a live holder to now + lease; lease_lost if taken over or gone.
@@ -145,6 +158,8 @@ class PostgresStore {
   [[nodiscard]] bool transactional() const noexcept;
   /// The options in force.
   [[nodiscard]] const PostgresStoreOptions& options() const noexcept;
+  /// What the store takes: keys up to max_key_bytes, results up to options().max_result_bytes.
+  [[nodiscard]] StoreLimits limits() const noexcept;
   /// The client whose sessions this store uses, to share with a PostgresSequenceStore.
   [[nodiscard]] const std::shared_ptr<PostgresClient>& client() const noexcept;
   /// The schema-qualified, quoted table name, for queries of your own.
@@ -156,5 +171,7 @@ class PostgresStore {
 
 static_assert(StateStore<PostgresStore>);
 static_assert(TransactionalStore<PostgresStore>);
+static_assert(HasStoreLimits<PostgresStore>);
+static_assert(CompletesUnavailable<PostgresStore>);
 
 }  // namespace idem

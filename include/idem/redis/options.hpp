@@ -39,8 +39,10 @@ struct RedisOptions {
   millis command_timeout{1'000};
   /// The connection pool (idem/core/pool_options.hpp): size > 0, wait >= 0 (0 = fail at once).
   PoolOptions pool{};
-  /// Read `maxmemory-policy` when a RedisStore is built and warn through observer when it can evict keys.
-  bool check_eviction_policy = true;
+  /// A RedisStore refuses (store_error, code `EVICTION`) a server whose `maxmemory` > 0 with a
+  /// `maxmemory-policy` other than `noeviction`: it could evict live idempotency records, and their
+  /// messages would run again. true = accept such a server anyway, with an observer warning.
+  bool unsafe_allow_eviction = false;
   /// Receives store advisories (on_warning); null = none.
   std::shared_ptr<Observer> observer;
 };

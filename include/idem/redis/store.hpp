@@ -31,7 +31,9 @@ struct CompleteItem {
  * shared with other stores; client() gives it). Thread-safe, move-only (a moved-from store throws
  * usage_error).
  * Errors fail closed: connection_error / timeout_error (retryable), capacity_error (OOM under
- * noeviction), store_error with the Redis error prefix as code(), corrupt_record_error.
+ * noeviction), store_error with the Redis error prefix as code(), corrupt_record_error. A write
+ * whose reply was lost is sent once more as the same holder (the scripts answer a step already
+ * made as made); if that does not settle it, outcome_unknown_error.
  *
  * @code
  * idem::RedisStore store{{.url = "redis://idem:secret@127.0.0.1:6379/0"}};
@@ -41,11 +43,14 @@ struct CompleteItem {
  */
 class RedisStore : public detail::redis::ClientHandle {
 public:
-  /// Builds its own RedisClient (connects once to fail fast, loads the scripts), then checks the
-  /// eviction policy. Throws invalid_options_error, connection_error / timeout_error, or
+  /// Builds its own RedisClient (connects once to fail fast, loads the scripts), then reads the
+  /// server's settings (one round trip): a `maxmemory` with an evicting `maxmemory-policy` throws
+  /// store_error (code `EVICTION`, not retryable) unless RedisOptions::unsafe_allow_eviction; the
+  /// limits come from `proto-max-bulk-len`. Settings CONFIG GET cannot read (ACL) are warned about
+  /// through the observer. Throws invalid_options_error, connection_error / timeout_error, or
   /// store_error (e.g. WRONGPASS).
   explicit RedisStore(RedisOptions options = {});
-  /// A store over a client shared with other stores (e.g. a RedisSequenceStore); checks the eviction policy.
+  /// A store over a client shared with other stores (e.g. a RedisSequenceStore); checks the server as above.
   explicit RedisStore(std::shared_ptr<RedisClient> client);
 
   /// Atomic acquire in one round trip; see AcquireStatus for the outcomes.
@@ -54,6 +59,9 @@ public:
   WriteStatus complete(std::string_view key, const Holder& h, std::string_view result, millis retention);
   /// Releases or records a failure if `h` still holds the key; else lease_lost.
   WriteStatus fail(std::string_view key, const Holder& h, const FailParams& f);
+  /// Completes without the result (it could not be stored): `reason` is kept instead, later
+  /// acquires answer duplicate with result_unavailable. Holder-checked like complete.
+  WriteStatus complete_unavailable(std::string_view key, const Holder& h, std::string_view reason, millis retention);
   /// Pushes the lease of a live holder to now + lease; lease_lost if taken over or gone.
   WriteStatus extend(std::string_view key, const Holder& h, millis lease);
   /// A snapshot of the live record, or nullopt if absent or expired. The owner is kept only while
@@ -73,8 +81,16 @@ public:
   [[nodiscard]] std::string redis_key(std::string_view key) const;
   /// The server's `maxmemory-policy`, or "" when it cannot be read (e.g. CONFIG denied by ACL).
   [[nodiscard]] std::string eviction_policy();
+  /// What one call can carry, from the server's `proto-max-bulk-len` read at construction (512 MiB
+  /// when unreadable) less 1 MiB for the other arguments (and, for keys, the key prefix).
+  [[nodiscard]] StoreLimits limits() const noexcept { return limits_; }
+
+private:
+  StoreLimits limits_;
 };
 
 static_assert(StateStore<RedisStore>);
+static_assert(HasStoreLimits<RedisStore>);
+static_assert(CompletesUnavailable<RedisStore>);
 
 }  // namespace idem

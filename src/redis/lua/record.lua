@@ -5,6 +5,8 @@
 -- One record per key, one Redis string, big-endian (struct library):
 --   B  header: 0x80 (format v1) | state (1 in_progress, 2 completed, 3 failed) | 0x04 permanent
 --             | 0x10 has fingerprint | 0x20 has payload | generation width (0x08 and 0x40, below)
+--             0x04 on a completed record: completed without its result (complete_unavailable);
+--             the payload is then why. Older versions never set it there, so the format is v1 still.
 --   generation: the fence, which is also the number of acquisitions; B, H, I4 or d by width
 --   c8 token of the latest acquisition (the fence alone is not enough: see docs/design.md)
 --   in_progress only: d lease_until_ms, H owner length, owner bytes
@@ -108,14 +110,26 @@ local function encode(r)
   return h .. tok .. fp .. pay
 end
 
--- The record of a live holder (state in_progress, fence and token equal), or nil.
-local function held(key, fence, token)
+-- The record whose latest holder is `fence` and `token`, in any state, or nil.
+local function of_holder(key, fence, token)
   local raw = redis.call('GET', key)
   if not raw then return nil end
   local r = decode(raw)
-  if r.st ~= 1 or r.gen ~= tonumber(fence) or r.tok ~= token then return nil end
+  if r.gen ~= tonumber(fence) or r.tok ~= token then return nil end
   return r
 end
+
+-- The record of a live holder (state in_progress, fence and token equal), or nil.
+local function held(key, fence, token)
+  local r = of_holder(key, fence, token)
+  if r and r.st == 1 then return r end
+  return nil
+end
+
+-- A holder's write that finds its own step already done answers as the step did (1): the client
+-- sends a request once more, as the same holder, when the reply to the first was lost (the first
+-- may have run). The step is recognised by the same holder and the same data, so a different
+-- second write by that holder is still refused (0): a completed record is never overwritten.
 
 -- Retention `ret` stays the decimal string the client sent: SET takes it as is, math.max reads it
 -- as a number, and no number is formatted back to text on the hot path.
@@ -123,6 +137,10 @@ end
 -- Acquire of one key (docs/design.md, section 1). Reply: {1 acquired, fence, takeover 0/1}
 -- | {2 in_flight, attempts, retry_after ms} | {3 duplicate, attempts, result}
 -- | {4 previously_failed, attempts, error} | {5 mismatch, attempts}
+-- | {6 duplicate without its result, attempts, why}
+-- An in_progress record that already holds this token is this very acquisition asked again (its
+-- reply was lost; tokens are random per acquisition): acquired with the same fence, the lease
+-- renewed, takeover 0.
 -- A batch passes `fresh`, the record of a new key (fence 1) encoded once for all its keys, and
 -- `acquired`, one {1, 1, 0} reply table shared by its new keys (never modified); nil for either
 -- makes acquire_key build its own.
@@ -135,36 +153,42 @@ local function acquire_key(key, token, lease, ret, fp, owner, now, fresh, acquir
   end
   local r = decode(raw)
   if fp ~= '' and r.fp ~= '' and r.fp ~= fp then return {5, r.gen} end
-  local takeover = 0
-  if r.st == 2 then return {3, r.gen, r.pay} end
+  local takeover, gen = 0, r.gen + 1
+  if r.st == 2 then
+    if r.perm then return {6, r.gen, r.pay} end
+    return {3, r.gen, r.pay}
+  end
   if r.st == 1 then
-    if r.lease > now then return {2, r.gen, r.lease - now} end
-    takeover = 1
+    if r.tok == token then gen = r.gen
+    elseif r.lease > now then return {2, r.gen, r.lease - now}
+    else takeover = 1 end
   else
     if r.perm then return {4, r.gen, r.pay} end
     if r.retry > now then return {2, r.gen, r.retry - now} end
   end
   local ttl = redis.call('PTTL', key)
-  r.st, r.perm, r.gen, r.tok, r.lease, r.owner, r.pay = 1, false, r.gen + 1, token, now + lease, owner, ''
+  r.st, r.perm, r.gen, r.tok, r.lease, r.owner, r.pay = 1, false, gen, token, now + lease, owner, ''
   redis.call('SET', key, encode(r), 'PX', math.max(ttl, ret))
   return {1, r.gen, takeover}
 end
 
--- Complete of one key by its holder. Reply: 1 written, 0 lease lost (nothing written).
+-- Complete of one key by its holder. Reply: 1 written (or already written by this very request),
+-- 0 lease lost (nothing written). `unavailable` true: complete without the result, `result` is why
+-- (the permanent bit on a completed record); it always takes the decoding path below, being rare.
 -- Fast path, for an in_progress record as encode writes it (generation in its narrowest width of
 -- 1, 2 or 4 bytes, no payload section, a non-empty fingerprint if any), checked to its last byte
 -- without decoding it: the completed record is the same header with state 2 (plus the payload bit
 -- for a non-empty result), the same generation and token, no lease or owner, the same fingerprint
 -- section, then the result; byte for byte what decode + encode give. Any other value goes through
 -- decode, which refuses a damaged record (IDEMCORRUPT).
-local function complete_key(key, fence, token, result, ret)
+local function complete_key(key, fence, token, result, ret, unavailable)
   local s = redis.call('GET', key)
   if not s then return 0 end
   local n, g = #s, tonumber(fence)
   local h, g1 = string.byte(s, 1, 2)
   -- The header bits, by arithmetic (cheaper here than bit.band calls): v1 (h >= 128), state 1
   -- (h % 4), no payload (32 clear), and not the 8-byte generation (8 and 64 both set).
-  if n >= 20 and h >= 128 and h % 4 == 1 and h % 64 < 32 and (h % 16 < 8 or h < 192) then
+  if not unavailable and n >= 20 and h >= 128 and h % 4 == 1 and h % 64 < 32 and (h % 16 < 8 or h < 192) then
     local gen, p
     if h % 16 < 8 and h < 192 then -- 1-byte generation
       gen, p = g1, 3
@@ -205,8 +229,10 @@ local function complete_key(key, fence, token, result, ret)
     end
   end
   local r = decode(s)
-  if r.st ~= 1 or r.gen ~= g or r.tok ~= token then return 0 end
-  r.st, r.pay = 2, result
+  if r.gen ~= g or r.tok ~= token then return 0 end
+  if r.st == 2 and r.perm == (unavailable == true) and r.pay == result then return 1 end -- done
+  if r.st ~= 1 then return 0 end
+  r.st, r.pay, r.perm = 2, result, unavailable == true
   redis.call('SET', key, encode(r), 'PX', ret)
   return 1
 end

@@ -1,0 +1,338 @@
+// Recovery (issue 11): pools heal after a restart, a write whose reply was lost is settled by the
+// same holder asking again (no re-run, no false status), and when that cannot be done the error
+// says the outcome is unknown. Lost replies come from redis_proxy.hpp: the request reaches the
+// server and runs, the reply never reaches the client.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem/idem.hpp"
+#include "idem/redis.hpp"
+#include "redis_factory.hpp"
+#include "redis_proxy.hpp"
+
+using namespace std::chrono_literals;
+using idem::AcquireStatus;
+using idem::WriteStatus;
+using idem::test::RedisProxy;
+using idem::test::RedisServer;
+
+namespace {
+
+constexpr auto params = &idem::test::acquire_params;
+
+// A server, a proxy in front of it and a store through the proxy (one connection, so the
+// retry must open a fresh one).
+struct Proxied {
+  RedisServer server;
+  RedisProxy proxy{server.port()};
+  idem::RedisStore store{[this] {
+    idem::RedisOptions o = server.options();
+    o.port = proxy.port();
+    o.pool.size = 1;
+    o.command_timeout = 1s;
+    return o;
+  }()};
+  std::string key = "lost-" + idem::test::random_hex();
+};
+
+}  // namespace
+
+TEST_CASE("redis restarted under a full idle pool: the next N calls all succeed", "[redis][recovery]") {
+  constexpr int n = 4;
+  RedisServer server;
+  idem::RedisOptions o = server.options();
+  o.pool.size = n;
+  idem::RedisStore store(o);
+  idem::IdempotencyGuard guard(store, {.lease = 10s, .retention = 60s});
+  const std::string ns = "restart-" + idem::test::random_hex() + ":";
+  // Fill the pool: n calls at once while the server is paused, so each needs its own connection.
+  server.command({"CLIENT", "PAUSE", "300", "ALL"});
+  std::vector<std::thread> fill;
+  for (int i = 0; i < n; ++i) fill.emplace_back([&, i] { (void)store.inspect(ns + "fill-" + std::to_string(i)); });
+  for (auto& t : fill) t.join();
+  // n pooled connections, plus the harness's own
+  REQUIRE(server.command({"INFO", "clients"}).find("connected_clients:" + std::to_string(n + 1)) != std::string::npos);
+
+  server.stop(SIGTERM);
+  server.start();  // same port, no data, no scripts loaded
+
+  std::atomic<int> executed{0}, failed{0};
+  std::vector<std::thread> calls;
+  for (int i = 0; i < n; ++i)
+    calls.emplace_back([&, i] {
+      try {
+        if (guard.run(ns + "after-" + std::to_string(i), [] { return 1; }).status == idem::Status::executed)
+          ++executed;
+      } catch (...) {
+        ++failed;
+      }
+    });
+  for (auto& t : calls) t.join();
+  CHECK(failed.load() == 0);
+  CHECK(executed.load() == n);
+  for (int i = 0; i < n; ++i)
+    CHECK(guard.run(ns + "again-" + std::to_string(i), [] { return 2; }).status == idem::Status::executed);
+}
+
+TEST_CASE("redis lost acquire reply: the same holder's retry is acquired with the same fence", "[redis][recovery]") {
+  Proxied t;
+  t.proxy.arm(RedisProxy::Action::cut);
+  auto r = t.store.acquire(t.key, params(77));
+  CHECK(t.proxy.fired());
+  CHECK(r.status == AcquireStatus::acquired);
+  CHECK(r.holder == idem::Holder{1, 77});
+  CHECK(r.attempts == 1);
+  CHECK_FALSE(r.takeover);
+  auto rec = t.store.inspect(t.key);
+  REQUIRE(rec);
+  CHECK(rec->holder == idem::Holder{1, 77});
+  // A rival is still in flight behind it, and the holder completes as usual.
+  CHECK(t.store.acquire(t.key, params(78)).status == AcquireStatus::in_flight);
+  CHECK(t.store.complete(t.key, r.holder, "done", 60s) == WriteStatus::ok);
+
+  // A takeover whose reply was lost: the retry finds the record already its own, so it answers
+  // acquired with the fence the takeover gave, as a plain acquisition (the record does not keep
+  // how it was acquired; docs/redis.md).
+  const std::string k2 = t.key + "-takeover";
+  auto lapsing = params(1);
+  lapsing.lease = 100ms;
+  REQUIRE(t.store.acquire(k2, lapsing).status == AcquireStatus::acquired);
+  std::this_thread::sleep_for(200ms);
+  t.proxy.arm(RedisProxy::Action::cut);
+  auto taken = t.store.acquire(k2, params(2));
+  CHECK(t.proxy.fired());
+  CHECK(taken.status == AcquireStatus::acquired);
+  CHECK(taken.holder == idem::Holder{2, 2});
+  CHECK_FALSE(taken.takeover);
+}
+
+TEST_CASE("redis lost complete reply: the same holder's retry answers ok, nothing is overwritten",
+          "[redis][recovery]") {
+  Proxied t;
+  auto r = t.store.acquire(t.key, params(5));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  t.proxy.arm(RedisProxy::Action::cut);
+  CHECK(t.store.complete(t.key, r.holder, "the result", 60s) == WriteStatus::ok);
+  CHECK(t.proxy.fired());
+  auto d = t.store.acquire(t.key, params(6));
+  CHECK(d.status == AcquireStatus::duplicate);
+  CHECK(d.payload == "the result");
+  // Another completion by the same holder is still refused: a completed record is never overwritten.
+  CHECK(t.store.complete(t.key, r.holder, "other", 60s) == WriteStatus::lease_lost);
+}
+
+TEST_CASE("redis lost fail reply: the same holder's retry answers ok", "[redis][recovery]") {
+  Proxied t;
+  for (const bool release : {false, true}) {
+    const std::string k = t.key + (release ? "-release" : "-record");
+    auto r = t.store.acquire(k, params(9));
+    REQUIRE(r.status == AcquireStatus::acquired);
+    idem::FailParams fp;
+    fp.error = "boom";
+    fp.release = release;
+    fp.backoff = 30s;
+    fp.retention = 60s;
+    t.proxy.arm(RedisProxy::Action::cut);
+    CHECK(t.store.fail(k, r.holder, fp) == WriteStatus::ok);
+    CHECK(t.proxy.fired());
+    auto rec = t.store.inspect(k);
+    REQUIRE(rec);
+    CHECK(rec->state == idem::State::failed);
+    CHECK(rec->error == "boom");
+    CHECK(rec->holder == r.holder);
+    const auto next = t.store.acquire(k, params(10)).status;
+    CHECK(next == (release ? AcquireStatus::acquired : AcquireStatus::in_flight));
+  }
+}
+
+TEST_CASE("redis lost complete_unavailable reply: the retry answers ok", "[redis][recovery]") {
+  Proxied t;
+  auto r = t.store.acquire(t.key, params(5));
+  t.proxy.arm(RedisProxy::Action::cut);
+  CHECK(t.store.complete_unavailable(t.key, r.holder, "too large", 60s) == WriteStatus::ok);
+  auto d = t.store.acquire(t.key, params(6));
+  CHECK(d.status == AcquireStatus::duplicate);
+  CHECK(d.result_unavailable);
+  CHECK(d.payload == "too large");
+}
+
+TEST_CASE("redis reply held past command_timeout: the same holder's retry settles it", "[redis][recovery]") {
+  RedisServer server;
+  RedisProxy proxy{server.port()};
+  idem::RedisOptions o = server.options();
+  o.port = proxy.port();
+  o.command_timeout = 300ms;
+  idem::RedisStore store(o);
+  const std::string k = "held-" + idem::test::random_hex();
+  auto r = store.acquire(k, params(3));
+  proxy.arm(RedisProxy::Action::hold);
+  CHECK(store.complete(k, r.holder, "v", 60s) == WriteStatus::ok);
+  CHECK(proxy.fired());
+  CHECK(store.acquire(k, params(4)).payload == "v");
+}
+
+TEST_CASE("redis lost replies through the guard: the handler runs once, executed", "[redis][recovery]") {
+  Proxied t;
+  idem::IdempotencyGuard guard(t.store, {.lease = 10s, .retention = 60s});
+  for (const int skip : {0, 1}) {  // 0: the acquire's reply is lost, 1: the complete's
+    const std::string k = t.key + "-" + std::to_string(skip);
+    int runs = 0;
+    t.proxy.arm(RedisProxy::Action::cut, skip);
+    auto out = guard.run(k, [&] { return ++runs; });
+    CHECK(t.proxy.fired());
+    CHECK(out.status == idem::Status::executed);
+    CHECK(runs == 1);
+    auto again = guard.run(k, [&] { return ++runs; });
+    CHECK(again.status == idem::Status::duplicate);
+    CHECK(again.value == 1);
+    CHECK(runs == 1);
+  }
+}
+
+TEST_CASE("redis lost batch replies: the same holder's retry settles every key", "[redis][recovery]") {
+  Proxied t;
+  std::vector<std::string> names;
+  for (int i = 0; i < 5; ++i) names.push_back(t.key + "-" + std::to_string(i));
+  const std::vector<std::string_view> keys(names.begin(), names.end());
+  t.proxy.arm(RedisProxy::Action::cut);
+  auto claims = t.store.acquire_batch(keys, params(21));
+  CHECK(t.proxy.fired());
+  std::vector<idem::CompleteItem> done;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    CHECK(claims[i].status == AcquireStatus::acquired);
+    CHECK(claims[i].holder == idem::Holder{1, 21});
+    done.push_back({keys[i], claims[i].holder, "r"});
+  }
+  t.proxy.arm(RedisProxy::Action::cut);
+  for (WriteStatus s : t.store.complete_batch(done, 60s)) CHECK(s == WriteStatus::ok);
+  CHECK(t.proxy.fired());
+  for (std::string_view k : keys) CHECK(t.store.acquire(k, params(22)).payload == "r");
+}
+
+TEST_CASE("redis lost complete_advance reply: ok, the sequence advanced once", "[redis][recovery]") {
+  Proxied t;
+  idem::RedisSequenceStore seqs{t.store};
+  auto r = t.store.acquire(t.key, params(31));
+  t.proxy.arm(RedisProxy::Action::cut);
+  auto out = seqs.complete_advance(t.store, t.key, r.holder, "r", 60s, "acct-1", 7);
+  CHECK(t.proxy.fired());
+  CHECK(out.status == WriteStatus::ok);
+  // The retry's compare-and-set finds the sequence it already set: not advanced again.
+  CHECK(out.advance.previous == std::optional<std::uint64_t>(7));
+  CHECK(seqs.last_applied("acct-1") == std::optional<std::uint64_t>(7));
+  CHECK(t.store.acquire(t.key, params(32)).payload == "r");
+}
+
+TEST_CASE("redis lost reply and no retry possible: outcome_unknown_error", "[redis][recovery]") {
+  Proxied t;
+  auto r = t.store.acquire(t.key, params(5));
+  t.proxy.arm(RedisProxy::Action::cut, 0, {}, /*refuse_after=*/true);
+  try {
+    (void)t.store.complete(t.key, r.holder, "v", 60s);
+    FAIL("a lost reply with no retry possible was reported as settled");
+  } catch (const idem::outcome_unknown_error& e) {
+    CHECK_FALSE(e.retryable());
+    CHECK(std::string(e.what()).find("unknown") != std::string::npos);
+  }
+  t.proxy.refuse(false);
+  // The write had run: the holder's own retry now settles it, and nothing ran twice.
+  CHECK(t.store.complete(t.key, r.holder, "v", 60s) == WriteStatus::ok);
+  auto rec = t.store.inspect(t.key);
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::completed);
+
+  t.proxy.arm(RedisProxy::Action::cut, 0, {}, true);
+  CHECK_THROWS_AS(t.store.acquire(t.key + "-acquire", params(6)), idem::outcome_unknown_error);
+  t.proxy.refuse(false);
+  // The acquisition had been made: its holder gets it back, a rival is in flight behind it.
+  CHECK(t.store.acquire(t.key + "-acquire", params(7)).status == AcquireStatus::in_flight);
+  CHECK(t.store.acquire(t.key + "-acquire", params(6)).holder == idem::Holder{1, 6});
+}
+
+TEST_CASE("redis lost reply, then an error reply to the retry: outcome_unknown_error with its code",
+          "[redis][recovery]") {
+  Proxied t;
+  auto r = t.store.acquire(t.key, params(5));
+  t.proxy.plan({{RedisProxy::Action::cut, {}}, {RedisProxy::Action::replace, "-LOADING injected by the test\r\n"}});
+  try {
+    (void)t.store.complete(t.key, r.holder, "v", 60s);
+    FAIL("an error reply to the retry was reported as settled");
+  } catch (const idem::outcome_unknown_error& e) {
+    CHECK(e.code() == "LOADING");
+    CHECK_FALSE(e.retryable());
+    CHECK(std::string(e.what()).find(t.key) != std::string::npos);
+  }
+  CHECK(t.proxy.fired());
+  CHECK(t.store.acquire(t.key, params(6)).payload == "v");  // the first had run
+}
+
+TEST_CASE("redis reads are not resent: a lost inspect reply is a retryable connection_error", "[redis][recovery]") {
+  Proxied t;
+  t.proxy.arm(RedisProxy::Action::cut);
+  CHECK_THROWS_AS(t.store.inspect(t.key), idem::connection_error);
+  CHECK_NOTHROW(t.store.inspect(t.key));
+}
+
+TEST_CASE("redis transient error replies are retryable store_errors", "[redis][recovery]") {
+  Proxied t;
+  for (const char* code : {"NOREPLICAS", "LOADING", "MASTERDOWN", "TRYAGAIN", "BUSY"}) {
+    INFO(code);
+    t.proxy.arm(RedisProxy::Action::replace, 0, std::string("-") + code + " injected by the test proxy\r\n");
+    try {
+      (void)t.store.acquire(t.key + code, params(1));
+      FAIL("an error reply was not reported");
+    } catch (const idem::store_error& e) {
+      CHECK(e.code() == code);
+      CHECK(e.retryable());
+    }
+  }
+}
+
+TEST_CASE("redis NOREPLICAS from a primary without its replicas: retryable, nothing written", "[redis][recovery]") {
+  RedisServer server({"min-replicas-to-write 1"});
+  idem::RedisStore store(server.options());
+  const std::string k = "noreplicas-" + idem::test::random_hex();
+  try {
+    (void)store.acquire(k, params(1));
+    FAIL("wrote without the replicas min-replicas-to-write asks for");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "NOREPLICAS");
+    CHECK(e.retryable());
+  }
+  REQUIRE(server.command({"CONFIG", "SET", "min-replicas-to-write", "0"}) == "OK");
+  CHECK_FALSE(store.inspect(k).has_value());
+}
+
+TEST_CASE("redis limits come from proto-max-bulk-len; a result over them completes without it",
+          "[redis][recovery]") {
+  {
+    RedisServer server;
+    idem::RedisStore store(server.options());
+    CHECK(store.limits().max_result_bytes == (512u << 20) - (1u << 20));
+    CHECK(store.limits().max_key_bytes == (512u << 20) - (1u << 20) - store.options().key_prefix.size());
+  }
+  RedisServer server({"proto-max-bulk-len 1mb"});
+  idem::RedisStore store(server.options());
+  const std::size_t most = (1u << 20) - (1u << 17);
+  REQUIRE(store.limits().max_result_bytes == most);
+  idem::IdempotencyGuard guard(store, {.lease = 10s, .retention = 60s});
+  const std::string k = "large-" + idem::test::random_hex();
+  int runs = 0;
+  auto large = [&] {
+    ++runs;
+    return std::string(most + 1, 'x');
+  };
+  CHECK_THROWS_AS(guard.run(k, large), idem::result_not_stored_error);
+  auto again = guard.run(k, large);
+  CHECK(again.status == idem::Status::duplicate);
+  CHECK(again.result_unavailable);
+  CHECK(runs == 1);
+  // One that fits is stored as usual.
+  CHECK(guard.run(k + "-fits", [] { return std::string((1u << 20) - (1u << 17), 'y'); }).status ==
+        idem::Status::executed);
+}
