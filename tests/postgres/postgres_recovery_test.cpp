@@ -9,8 +9,8 @@
 
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
-#include "pg_proxy.hpp"
 #include "pg_support.hpp"
+#include "support/tcp_proxy.hpp"
 
 using namespace std::chrono_literals;
 using idem::AcquireStatus;
@@ -25,7 +25,7 @@ namespace {
 // statements prepared), so the next request on it is the one a test means to cut.
 struct Proxied {
   explicit Proxied(idem::PostgresMode mode = idem::PostgresMode::lease) : store(make(mode)) {}
-  pgtest::Proxy proxy{pgtest::port()};
+  idem::test::TcpProxy proxy{pgtest::port()};
   idem::PostgresStore store;
 
   idem::PostgresStore make(idem::PostgresMode mode) {

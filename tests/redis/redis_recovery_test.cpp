@@ -1,7 +1,7 @@
 // Recovery (issue 11): pools heal after a restart, a write whose reply was lost is settled by the
 // same holder asking again (no re-run, no false status), and when that cannot be done the error
-// says the outcome is unknown. Lost replies come from redis_proxy.hpp: the request reaches the
-// server and runs, the reply never reaches the client.
+// says the outcome is unknown. Lost replies come from support/tcp_proxy.hpp: the request reaches
+// the server and runs, the reply never reaches the client.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -13,13 +13,13 @@
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
 #include "redis_factory.hpp"
-#include "redis_proxy.hpp"
+#include "support/tcp_proxy.hpp"
 
 using namespace std::chrono_literals;
 using idem::AcquireStatus;
 using idem::WriteStatus;
-using idem::test::RedisProxy;
 using idem::test::RedisServer;
+using idem::test::TcpProxy;
 
 namespace {
 
@@ -29,7 +29,7 @@ constexpr auto params = &idem::test::acquire_params;
 // retry must open a fresh one).
 struct Proxied {
   RedisServer server;
-  RedisProxy proxy{server.port()};
+  TcpProxy proxy{server.port()};
   idem::RedisStore store{[this] {
     idem::RedisOptions o = server.options();
     o.port = proxy.port();
@@ -81,7 +81,7 @@ TEST_CASE("redis restarted under a full idle pool: the next N calls all succeed"
 
 TEST_CASE("redis lost acquire reply: the same holder's retry is acquired with the same fence", "[redis][recovery]") {
   Proxied t;
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   auto r = t.store.acquire(t.key, params(77));
   CHECK(t.proxy.fired());
   CHECK(r.status == AcquireStatus::acquired);
@@ -103,7 +103,7 @@ TEST_CASE("redis lost acquire reply: the same holder's retry is acquired with th
   lapsing.lease = 100ms;
   REQUIRE(t.store.acquire(k2, lapsing).status == AcquireStatus::acquired);
   std::this_thread::sleep_for(200ms);
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   auto taken = t.store.acquire(k2, params(2));
   CHECK(t.proxy.fired());
   CHECK(taken.status == AcquireStatus::acquired);
@@ -116,7 +116,7 @@ TEST_CASE("redis lost complete reply: the same holder's retry answers ok, nothin
   Proxied t;
   auto r = t.store.acquire(t.key, params(5));
   REQUIRE(r.status == AcquireStatus::acquired);
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   CHECK(t.store.complete(t.key, r.holder, "the result", 60s) == WriteStatus::ok);
   CHECK(t.proxy.fired());
   auto d = t.store.acquire(t.key, params(6));
@@ -137,7 +137,7 @@ TEST_CASE("redis lost fail reply: the same holder's retry answers ok", "[redis][
     fp.release = release;
     fp.backoff = 30s;
     fp.retention = 60s;
-    t.proxy.arm(RedisProxy::Action::cut);
+    t.proxy.arm(TcpProxy::Action::cut);
     CHECK(t.store.fail(k, r.holder, fp) == WriteStatus::ok);
     CHECK(t.proxy.fired());
     auto rec = t.store.inspect(k);
@@ -153,7 +153,7 @@ TEST_CASE("redis lost fail reply: the same holder's retry answers ok", "[redis][
 TEST_CASE("redis lost complete_unavailable reply: the retry answers ok", "[redis][recovery]") {
   Proxied t;
   auto r = t.store.acquire(t.key, params(5));
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   CHECK(t.store.complete_unavailable(t.key, r.holder, "too large", 60s) == WriteStatus::ok);
   auto d = t.store.acquire(t.key, params(6));
   CHECK(d.status == AcquireStatus::duplicate);
@@ -163,14 +163,14 @@ TEST_CASE("redis lost complete_unavailable reply: the retry answers ok", "[redis
 
 TEST_CASE("redis reply held past command_timeout: the same holder's retry settles it", "[redis][recovery]") {
   RedisServer server;
-  RedisProxy proxy{server.port()};
+  TcpProxy proxy{server.port()};
   idem::RedisOptions o = server.options();
   o.port = proxy.port();
   o.command_timeout = 300ms;
   idem::RedisStore store(o);
   const std::string k = "held-" + idem::test::random_hex();
   auto r = store.acquire(k, params(3));
-  proxy.arm(RedisProxy::Action::hold);
+  proxy.arm(TcpProxy::Action::hold);
   CHECK(store.complete(k, r.holder, "v", 60s) == WriteStatus::ok);
   CHECK(proxy.fired());
   CHECK(store.acquire(k, params(4)).payload == "v");
@@ -182,7 +182,7 @@ TEST_CASE("redis lost replies through the guard: the handler runs once, executed
   for (const int skip : {0, 1}) {  // 0: the acquire's reply is lost, 1: the complete's
     const std::string k = t.key + "-" + std::to_string(skip);
     int runs = 0;
-    t.proxy.arm(RedisProxy::Action::cut, skip);
+    t.proxy.arm(TcpProxy::Action::cut, skip);
     auto out = guard.run(k, [&] { return ++runs; });
     CHECK(t.proxy.fired());
     CHECK(out.status == idem::Status::executed);
@@ -199,7 +199,7 @@ TEST_CASE("redis lost batch replies: the same holder's retry settles every key",
   std::vector<std::string> names;
   for (int i = 0; i < 5; ++i) names.push_back(t.key + "-" + std::to_string(i));
   const std::vector<std::string_view> keys(names.begin(), names.end());
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   auto claims = t.store.acquire_batch(keys, params(21));
   CHECK(t.proxy.fired());
   std::vector<idem::CompleteItem> done;
@@ -208,7 +208,7 @@ TEST_CASE("redis lost batch replies: the same holder's retry settles every key",
     CHECK(claims[i].holder == idem::Holder{1, 21});
     done.push_back({keys[i], claims[i].holder, "r"});
   }
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   for (WriteStatus s : t.store.complete_batch(done, 60s)) CHECK(s == WriteStatus::ok);
   CHECK(t.proxy.fired());
   for (std::string_view k : keys) CHECK(t.store.acquire(k, params(22)).payload == "r");
@@ -218,7 +218,7 @@ TEST_CASE("redis lost complete_advance reply: ok, the sequence advanced once", "
   Proxied t;
   idem::RedisSequenceStore seqs{t.store};
   auto r = t.store.acquire(t.key, params(31));
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   auto out = seqs.complete_advance(t.store, t.key, r.holder, "r", 60s, "acct-1", 7);
   CHECK(t.proxy.fired());
   CHECK(out.status == WriteStatus::ok);
@@ -231,7 +231,7 @@ TEST_CASE("redis lost complete_advance reply: ok, the sequence advanced once", "
 TEST_CASE("redis lost reply and no retry possible: outcome_unknown_error", "[redis][recovery]") {
   Proxied t;
   auto r = t.store.acquire(t.key, params(5));
-  t.proxy.arm(RedisProxy::Action::cut, 0, {}, /*refuse_after=*/true);
+  t.proxy.arm(TcpProxy::Action::cut, 0, {}, /*refuse_after=*/true);
   try {
     (void)t.store.complete(t.key, r.holder, "v", 60s);
     FAIL("a lost reply with no retry possible was reported as settled");
@@ -246,7 +246,7 @@ TEST_CASE("redis lost reply and no retry possible: outcome_unknown_error", "[red
   REQUIRE(rec);
   CHECK(rec->state == idem::State::completed);
 
-  t.proxy.arm(RedisProxy::Action::cut, 0, {}, true);
+  t.proxy.arm(TcpProxy::Action::cut, 0, {}, true);
   CHECK_THROWS_AS(t.store.acquire(t.key + "-acquire", params(6)), idem::outcome_unknown_error);
   t.proxy.refuse(false);
   // The acquisition had been made: its holder gets it back, a rival is in flight behind it.
@@ -258,7 +258,7 @@ TEST_CASE("redis lost reply, then an error reply to the retry: outcome_unknown_e
           "[redis][recovery]") {
   Proxied t;
   auto r = t.store.acquire(t.key, params(5));
-  t.proxy.plan({{RedisProxy::Action::cut, {}}, {RedisProxy::Action::replace, "-LOADING injected by the test\r\n"}});
+  t.proxy.plan({{TcpProxy::Action::cut, {}}, {TcpProxy::Action::replace, "-LOADING injected by the test\r\n"}});
   try {
     (void)t.store.complete(t.key, r.holder, "v", 60s);
     FAIL("an error reply to the retry was reported as settled");
@@ -273,7 +273,7 @@ TEST_CASE("redis lost reply, then an error reply to the retry: outcome_unknown_e
 
 TEST_CASE("redis reads are not resent: a lost inspect reply is a retryable connection_error", "[redis][recovery]") {
   Proxied t;
-  t.proxy.arm(RedisProxy::Action::cut);
+  t.proxy.arm(TcpProxy::Action::cut);
   CHECK_THROWS_AS(t.store.inspect(t.key), idem::connection_error);
   CHECK_NOTHROW(t.store.inspect(t.key));
 }
@@ -282,7 +282,7 @@ TEST_CASE("redis transient error replies are retryable store_errors", "[redis][r
   Proxied t;
   for (const char* code : {"NOREPLICAS", "LOADING", "MASTERDOWN", "TRYAGAIN", "BUSY"}) {
     INFO(code);
-    t.proxy.arm(RedisProxy::Action::replace, 0, std::string("-") + code + " injected by the test proxy\r\n");
+    t.proxy.arm(TcpProxy::Action::replace, 0, std::string("-") + code + " injected by the test proxy\r\n");
     try {
       (void)t.store.acquire(t.key + code, params(1));
       FAIL("an error reply was not reported");
@@ -308,7 +308,7 @@ TEST_CASE("redis NOREPLICAS from a primary without its replicas: retryable, noth
   CHECK_FALSE(store.inspect(k).has_value());
 }
 
-TEST_CASE("redis limits come from proto-max-bulk-len; a result over them completes without it",
+TEST_CASE("redis limits come from proto-max-bulk-len, a result over them completes without it",
           "[redis][recovery]") {
   {
     RedisServer server;

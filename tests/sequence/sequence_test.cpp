@@ -175,7 +175,7 @@ TEST_CASE("gate: contiguous mode requeues an event whose predecessor is missing"
   CHECK_THROWS_AS(idem::SequenceGate(f.seqs, {.gap_retry_after = -1ms}), idem::invalid_options_error);
 }
 
-TEST_CASE("gate: guard outcomes pass through; handler errors do not advance", "[sequence]") {
+TEST_CASE("gate: guard outcomes pass through, handler errors do not advance", "[sequence]") {
   Fixture f;
   // mismatch: same key, another payload
   auto a = f.gate.run(f.guard, {.key = "k1", .entity = "e", .seq = 1, .payload = "amount=5"}, [] {});
