@@ -1,5 +1,5 @@
 // Messages per second through IdempotencyGuard on a PostgresStore, each message a fresh key.
-//   idem_bench_postgres --conninfo CI --mode lease|tx --clients N --seconds S [--accounts N]
+//   idem_bench_postgres --conninfo CI --mode lease|tx|dup --clients N --seconds S [--accounts N]
 // lease: acquire + complete (two short transactions), the handler does nothing.
 // tx:    BEGIN + claim, one business UPDATE inside the handler, completion + COMMIT (one commit).
 // Prints "tps <messages per second>" and "table <schema.table>".
@@ -35,8 +35,8 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if ((mode != "lease" && mode != "tx") || clients < 1 || seconds < 1) {
-    std::cerr << "usage: idem_bench_postgres --conninfo CI --mode lease|tx --clients N --seconds S\n";
+  if ((mode != "lease" && mode != "tx" && mode != "dup") || clients < 1 || seconds < 1) {
+    std::cerr << "usage: idem_bench_postgres --conninfo CI --mode lease|tx|dup --clients N --seconds S\n";
     return 2;
   }
   try {
@@ -45,7 +45,9 @@ int main(int argc, char** argv) {
     o.pool.size = static_cast<std::size_t>(clients);
     idem::PostgresStoreOptions so;
     so.schema = "idem_bench";
-    so.table = mode == "tx" ? "records_tx" : "records_lease";
+    // dup: lease mode, every message a duplicate of a completed key (the redelivery path).
+    const bool dup = mode == "dup";
+    so.table = mode == "tx" ? "records_tx" : dup ? "records_dup" : "records_lease";
     so.mode = mode == "tx" ? idem::PostgresMode::transactional : idem::PostgresMode::lease;
     idem::PostgresStore store(o, so);
     store.migrate();
@@ -67,6 +69,13 @@ int main(int argc, char** argv) {
     go.retention = 24h;
     idem::IdempotencyGuard guard(store, go);
     const std::string run = std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
+    constexpr long dup_keys = 1000;  // per client, completed before the clock starts
+    const auto key_of = [&](int t, long n) {
+      return dup ? "d:" + std::to_string(t) + ":" + std::to_string(n % dup_keys)
+                 : "b" + run + ":" + std::to_string(t) + ":" + std::to_string(n);
+    };
+    for (int t = 0; dup && t < clients; ++t)
+      for (long n = 0; n < dup_keys; ++n) guard.run(key_of(t, n), [] { return 1; });
     std::atomic<bool> go_flag{false}, stop{false};
     std::atomic<long> done{0}, errors{0};
     std::vector<std::thread> ts;
@@ -77,13 +86,14 @@ int main(int argc, char** argv) {
         while (!go_flag.load()) std::this_thread::yield();
         long n = 0;
         while (!stop.load(std::memory_order_relaxed)) {
-          const std::string key = "b" + run + ":" + std::to_string(t) + ":" + std::to_string(n++);
+          const std::string key = key_of(t, n++);
           try {
             auto out = guard.run(key, [&](const auto& ctx) {
               if (ctx.tx) ctx.tx->exec("UPDATE bench_account SET balance = balance + 1 WHERE id = $1", acct(rng));
               return 1;
             });
-            if (out.status == idem::Status::executed) done.fetch_add(1, std::memory_order_relaxed);
+            if (out.status == (dup ? idem::Status::duplicate : idem::Status::executed))
+              done.fetch_add(1, std::memory_order_relaxed);
           } catch (const std::exception& e) {
             if (errors.fetch_add(1) < 3) std::cerr << "error: " << e.what() << "\n";
           }

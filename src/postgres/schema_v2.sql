@@ -7,8 +7,14 @@
 
 -- acquire: the whole decision of docs/design.md in one statement (one round trip).
 -- A new key is one INSERT; otherwise decisions that change nothing come from an unlocked read,
--- and a write takes the row lock and decides again on the locked row. p_lock_timeout bounds the wait for a row held
--- by another transaction (transactional mode): lock_not_available (55P03) means "in flight".
+-- and a write takes the row lock and decides again on the locked row. p_lock_timeout is how the
+-- claim locks (docs/postgres.md, "How a claim locks"):
+--   'nowait' the caller holds the key's claim lock (an advisory lock on a hash of table and key)
+--            and already tried the INSERT: the row lock is taken with FOR UPDATE NOWAIT;
+--   'busy'   another transaction holds the claim lock: nothing is written and nothing waits; a
+--            decision that would write (or a key not there yet) answers in flight;
+--   a number (ms) bounds the wait for a row held by another transaction (claim_wait bounded).
+-- Either way lock_not_available (55P03) means "in flight".
 -- p_idle_timeout: '' = a lease-mode call (its own implicit transaction); otherwise a claiming
 -- transaction: '-' leaves idle_in_transaction_session_timeout alone, a number (ms, the lease) ends
 -- a session left idle inside its transaction for longer, so a paused holder cannot keep the key.
@@ -29,9 +35,13 @@ DECLARE
   r       @S@.@T@%ROWTYPE;
   v_pass  integer := 0;
   v_locking boolean := false;
+  v_mode  text    := CASE WHEN p_lock_timeout IN ('nowait', 'busy') THEN p_lock_timeout ELSE 'wait' END;
+  v_insert boolean := p_lock_timeout NOT IN ('nowait', 'busy');  -- 'nowait': the caller's INSERT found the key
 BEGIN
   o_status := 1; o_fence := 0; o_takeover := false; o_attempts := 0; o_retry_after := 0; o_payload := '';
-  PERFORM set_config('lock_timeout', p_lock_timeout, true);
+  IF v_mode = 'wait' THEN
+    PERFORM set_config('lock_timeout', p_lock_timeout, true);
+  END IF;
   IF p_idle_timeout NOT IN ('', '-') THEN
     PERFORM set_config('idle_in_transaction_session_timeout', p_idle_timeout, true);
   END IF;
@@ -43,21 +53,27 @@ BEGIN
     END IF;
     IF NOT v_locking THEN
       -- The common case, a new key, is settled by this one statement.
-      INSERT INTO @S@.@T@ (key, state, fence, token, attempts, lease_until, expires_at, purge_after,
-                           owner, fingerprint)
-      VALUES (p_key, 1, 1, p_token, 1, v_now + p_lease, v_now + p_retention,
-              (v_now + p_retention + 999) / 1000 * 1000, p_owner, p_fp)
-      ON CONFLICT (key) DO NOTHING;
-      IF FOUND THEN
-        o_status := 0; o_fence := 1; o_attempts := 1;
-        EXIT decide;
+      IF v_insert THEN
+        INSERT INTO @S@.@T@ (key, state, fence, token, attempts, lease_until, expires_at, purge_after,
+                             owner, fingerprint)
+        VALUES (p_key, 1, 1, p_token, 1, v_now + p_lease, v_now + p_retention,
+                (v_now + p_retention + 999) / 1000 * 1000, p_owner, p_fp)
+        ON CONFLICT (key) DO NOTHING;
+        IF FOUND THEN
+          o_status := 0; o_fence := 1; o_attempts := 1;
+          EXIT decide;
+        END IF;
       END IF;
       SELECT * INTO r FROM @S@.@T@ t WHERE t.key = p_key;
+    ELSIF v_mode = 'nowait' THEN
+      SELECT * INTO r FROM @S@.@T@ t WHERE t.key = p_key FOR UPDATE NOWAIT;
     ELSE
       SELECT * INTO r FROM @S@.@T@ t WHERE t.key = p_key FOR UPDATE;
     END IF;
-    IF NOT FOUND THEN  -- purged between the statements: insert again
-      v_locking := false;
+    IF NOT FOUND THEN
+      -- 'busy': the key's claimant has not committed its INSERT (or a hash collision): in flight.
+      IF v_mode = 'busy' THEN o_retry_after := p_lease; EXIT decide; END IF;
+      v_locking := false; v_insert := true;  -- purged between the statements: insert again
       CONTINUE decide;
     END IF;
     IF r.state NOT IN (1, 2, 3) OR r.fence < 1 OR r.attempts < 1 THEN
@@ -66,6 +82,7 @@ BEGIN
     END IF;
     IF r.expires_at <= v_now THEN
       -- An expired record is absent: start over at fence 1 (the token keeps old holders out).
+      IF v_mode = 'busy' THEN o_retry_after := p_lease; EXIT decide; END IF;  -- someone is claiming it
       IF NOT v_locking THEN v_locking := true; CONTINUE decide; END IF;
       UPDATE @S@.@T@ t SET state = 1, fence = 1, token = p_token, attempts = 1, permanent = false,
              lease_until = v_now + p_lease, retry_at = 0, expires_at = v_now + p_retention,
@@ -95,7 +112,8 @@ BEGIN
       o_status := 1; o_retry_after := r.retry_at - v_now;
       EXIT decide;
     END IF;
-    -- It would acquire: decide again under the row lock before writing.
+    -- It would acquire: decide again under the row lock before writing ('busy': someone is on it).
+    IF v_mode = 'busy' THEN o_status := 1; o_retry_after := p_lease; EXIT decide; END IF;
     IF NOT v_locking THEN v_locking := true; CONTINUE decide; END IF;
     UPDATE @S@.@T@ t SET state = 1, fence = r.fence + 1, token = p_token, owner = p_owner,
            lease_until = v_now + p_lease, retry_at = 0, attempts = r.attempts + 1, error = '',

@@ -27,7 +27,14 @@ void StoreImpl::prepare_all(PGconn* c) const {
       "ins AS (INSERT INTO " + qt +
       " (key, state, fence, token, attempts, lease_until, expires_at, purge_after, owner, fingerprint) "
       "SELECT $1, 1, 1, $5, 1, cfg.ms + $3, cfg.ms + $4, (cfg.ms + $4 + 999) / 1000 * 1000, $6, $2 "
-      "FROM cfg ON CONFLICT (key) DO NOTHING RETURNING 1 AS one)";
+      "FROM cfg WHERE cfg.how <> 'busy' ON CONFLICT (key) DO NOTHING RETURNING 1 AS one)";
+  // How this claim locks (the function's p_lock_timeout, schema_v2.sql), from the claim lock $9
+  // (claim_wait none; a simple CASE tries it once): 'nowait' when taken, 'busy' when another
+  // transaction holds it (then nothing is inserted: the INSERT would wait on that claimant's), and
+  // $7, today's bounded wait, when $9 is NULL (claim_wait bounded). The lock is transaction-scoped:
+  // a lease-mode acquire drops it at its implicit commit, a claiming transaction at its end.
+  const std::string how =
+      "CASE pg_try_advisory_xact_lock($9) WHEN true THEN 'nowait' WHEN false THEN 'busy' ELSE $7 END AS how";
   const std::string acquire_fn = fn + quote_ident(opt.table + "_acquire");
   // The claim of a transaction: cfg sets the claim's lock_timeout before the INSERT can wait on a
   // concurrent claim; fin puts the caller's back (claiming transactions only: $8 <> '') and sets
@@ -35,7 +42,7 @@ void StoreImpl::prepare_all(PGconn* c) const {
   prepare_one(c, names[kAcquire],
               "WITH cfg AS MATERIALIZED (SELECT current_setting('lock_timeout') AS saved, "
               "set_config('lock_timeout', $7, true) AS lt, " +
-                  clock_ms + "), " + insert_new +
+                  how + ", " + clock_ms + "), " + insert_new +
                   ", fin AS MATERIALIZED (SELECT CASE WHEN $8 <> '' THEN set_config('lock_timeout', cfg.saved, true) "
                   "END AS a, "
                   "CASE WHEN $8 NOT IN ('', '-') THEN set_config('idle_in_transaction_session_timeout', $8, true) END "
@@ -43,8 +50,8 @@ void StoreImpl::prepare_all(PGconn* c) const {
                   "SELECT 0::smallint, 1::bigint, false, 1, 0::bigint, ''::bytea FROM fin "
                   "UNION ALL "
                   "SELECT f.o_status, f.o_fence, f.o_takeover, f.o_attempts, f.o_retry_after, f.o_payload FROM cfg, " +
-                  acquire_fn + "($1, $2, $3, $4, $5, $6, $7, $8, cfg.saved) f WHERE NOT EXISTS (SELECT 1 FROM ins)",
-              8);
+                  acquire_fn + "($1, $2, $3, $4, $5, $6, cfg.how, $8, cfg.saved) f WHERE NOT EXISTS (SELECT 1 FROM ins)",
+              9);
   // acquire in lease mode ($8 = '' always; an implicit transaction of its own): the decisions
   // of kAcquire with what only a claiming transaction needs left out, because the executor sets
   // up every node of a statement on each call, run or not. Nothing to put back (kAcquire's fin
@@ -56,13 +63,14 @@ void StoreImpl::prepare_all(PGconn* c) const {
   // uncorrelated NOT EXISTS is a one-time filter, so it runs only when the INSERT found the key.
   // `mine` / `not_mine`: the extra CTE and filter of kAcquireAgain.
   const auto lease_acquire = [&](const std::string& mine, const std::string& not_mine) {
-    return "WITH " + mine + "cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, " + clock_ms +
-           "), " + insert_new + " SELECT (d).o_status, (d).o_fence, (d).o_takeover, (d).o_attempts, (d).o_retry_after, "
+    return "WITH " + mine + "cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, " + how + ", " +
+           clock_ms + "), " + insert_new +
+           " SELECT (d).o_status, (d).o_fence, (d).o_takeover, (d).o_attempts, (d).o_retry_after, "
            "(d).o_payload FROM (SELECT " + acquire_fn +
-           "($1, $2, $3, $4, $5, $6, $7, $8, NULL) AS d WHERE NOT EXISTS (SELECT 1 FROM ins)" + not_mine +
+           "($1, $2, $3, $4, $5, $6, cfg.how, $8, NULL) AS d FROM cfg WHERE NOT EXISTS (SELECT 1 FROM ins)" + not_mine +
            " OFFSET 0) s";
   };
-  prepare_one(c, names[kAcquireLease], lease_acquire("", ""), 8);
+  prepare_one(c, names[kAcquireLease], lease_acquire("", ""), 9);
   // The same acquire sent again after a lost reply: a live in_progress row with our token is the
   // acquisition that reply carried (tokens are per acquire), answered with its fence and nothing
   // written; otherwise the acquire as above (the INSERT of a new key cannot conflict with mine).
@@ -72,7 +80,7 @@ void StoreImpl::prepare_all(PGconn* c) const {
                                 "t.expires_at > c.ms), ",
                             " AND NOT EXISTS (SELECT 1 FROM mine)") +
                   " UNION ALL SELECT 0::smallint, fence, false, attempts, 0::bigint, ''::bytea FROM mine",
-              8);
+              9);
   // The holder-checked writes. `done` says what this holder's own write left on the row: the
   // Again variant answers one row when it writes now or finds that write already made.
   const auto holder_write = [&](Stmt st, Stmt again, const std::string& set, const std::string& done, int n) {

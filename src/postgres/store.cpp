@@ -1,6 +1,8 @@
 // PostgresStore's lease-mode transitions: each one prepared statement on a pooled session,
 // decoded from PostgreSQL's binary format.
 
+#include <openssl/evp.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -24,6 +26,8 @@ PostgresStoreOptions checked(PostgresStoreOptions o) {
   if (!valid_identifier(o.table, 40))
     throw invalid_options_error("idem: PostgresStoreOptions::table '" + o.table.substr(0, 80) +
                                 "' is not a plain identifier; use [a-z_][a-z0-9_]* (max 40)");
+  if (o.claim_wait != PostgresClaimWait::none && o.claim_wait != PostgresClaimWait::bounded)
+    throw invalid_options_error("idem: PostgresStoreOptions::claim_wait must be none or bounded");
   if (o.lock_timeout <= millis{0})
     throw invalid_options_error(
         "idem: PostgresStoreOptions::lock_timeout must be > 0; it bounds how long a duplicate waits");
@@ -71,6 +75,14 @@ Params& Params::bin(std::string_view v) {
   vals_[n_] = v.data() ? v.data() : "";
   lens_[n_] = static_cast<int>(v.size());
   fmts_[n_] = 1;
+  ++n_;
+  return *this;
+}
+
+Params& Params::null() {
+  vals_[n_] = nullptr;
+  lens_[n_] = 0;
+  fmts_[n_] = 0;
   ++n_;
   return *this;
 }
@@ -144,7 +156,27 @@ Params StoreImpl::acquire_params(std::string_view key, const AcquireParams& ap, 
   p.bin(key).bin(ap.fingerprint).num(ap.lease.count()).num(ap.retention.count()).num(as_i64(ap.token));
   p.text(owner).text(lock_timeout_text);
   p.text(!tx ? std::string() : opt.idle_timeout_is_lease ? std::to_string(ap.lease.count()) : std::string("-"));
+  // $9: the claim lock to try, or NULL (claim_wait bounded: pg_try_advisory_xact_lock(NULL) is
+  // NULL, and the statement then inserts and waits as before).
+  if (opt.claim_wait == PostgresClaimWait::none)
+    p.num(claim_lock_id(key));
+  else
+    p.null();
   return p;
+}
+
+std::int64_t StoreImpl::claim_lock_id(std::string_view key) const {
+  std::string in;
+  in.reserve(qt.size() + 1 + key.size());
+  in.append(qt).push_back('\0');
+  in.append(key);
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(in.data(), in.size(), md, &len, EVP_sha256(), nullptr) != 1 || len < 8)
+    throw error("idem: OpenSSL EVP_Digest(SHA-256) failed", false);
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | md[i];
+  return static_cast<std::int64_t>(v);
 }
 
 AcquireResult StoreImpl::lock_busy(const AcquireParams& ap) {

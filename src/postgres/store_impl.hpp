@@ -37,13 +37,14 @@ class Params {
   Params& text(std::string v);
   Params& num(std::int64_t v) { return text(std::to_string(v)); }
   Params& boolean(bool v) { return text(v ? "t" : "f"); }
+  Params& null();
   [[nodiscard]] int size() const { return n_; }
   [[nodiscard]] const char* const* values() const { return vals_.data(); }
   [[nodiscard]] const int* lengths() const { return lens_.data(); }
   [[nodiscard]] const int* formats() const { return fmts_.data(); }
 
  private:
-  static constexpr int cap = 12;
+  static constexpr int cap = 12;  // the widest statement, record_failure, has 11
   std::array<std::string, cap> store_{};
   std::array<const char*, cap> vals_{};
   std::array<int, cap> lens_{};
@@ -114,6 +115,9 @@ class StoreImpl {
   // The parameters of complete / complete_unavailable (key, fence, token, value, retention), checked.
   Params completion(std::string_view key, const Holder& h, std::string_view value, millis retention) const;
   Params acquire_params(std::string_view key, const AcquireParams& ap, const std::string& owner, bool tx) const;
+  // The key's claim lock (claim_wait none): the first 8 bytes of SHA-256(qualified table, NUL,
+  // key), big-endian, as the bigint of pg_try_advisory_xact_lock.
+  std::int64_t claim_lock_id(std::string_view key) const;
   // A row lock held by another transaction (a transactional-mode holder): its lease end is not
   // visible, so the caller is told to come back after at most one lease.
   static AcquireResult lock_busy(const AcquireParams& ap);

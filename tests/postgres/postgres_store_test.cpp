@@ -185,6 +185,7 @@ TEST_CASE("postgres: server down is a retryable connection_error with a SQLSTATE
 TEST_CASE("postgres: statement timeout fails closed as timeout_error 57014", "[postgres][fault]") {
   auto o = pgtest::options();
   o.client.statement_timeout = 150ms;
+  o.store.claim_wait = idem::PostgresClaimWait::bounded;  // a claim that waits for the row lock...
   o.store.lock_timeout = 5s;  // the lock wait outlives the statement: the statement timeout must fire
   idem::PostgresStore s(o.client, o.store);
   const auto k = key("timeout");

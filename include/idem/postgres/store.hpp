@@ -23,6 +23,19 @@ enum class PostgresMode : std::uint8_t {
   transactional,  ///< the handler runs inside the claiming transaction; for database side effects
 };
 
+/// What a claim does when another transaction holds the key (docs/postgres.md, "How a claim locks").
+enum class PostgresClaimWait : std::uint8_t {
+  /// Answer in_flight at once: the claim takes a transaction-scoped advisory lock on a 64-bit hash
+  /// of (table, key) with pg_try_advisory_xact_lock before its INSERT, and the row with
+  /// FOR UPDATE NOWAIT. A hash collision between two keys claimed at the same moment (odds 2^-64
+  /// per pair) answers in_flight for one of them; never a wrong acquire.
+  none,
+  /// Wait up to lock_timeout for the holder (no advisory lock): a duplicate of a key whose holder
+  /// finishes within lock_timeout gets the holder's outcome instead of in_flight, at the cost of
+  /// blocking the consumer thread for up to lock_timeout per duplicate of a held key.
+  bounded,
+};
+
 /// Options of one PostgresStore (the connection is PostgresOptions). Durations are milliseconds.
 struct PostgresStoreOptions {
   /// Schema of the table: [a-z_][a-z0-9_]*, at most 63 bytes, not pg_*; created if missing.
@@ -31,8 +44,11 @@ struct PostgresStoreOptions {
   std::string table = "idem_records";
   /// What the guard does with this store; the lease-mode members work in both modes.
   PostgresMode mode = PostgresMode::lease;
-  /// How long acquire waits for a row lock held by another transaction before answering
-  /// in_flight (lock_timeout of the claim only, not of the handler's writes); > 0.
+  /// A claim of a key another transaction holds: in_flight at once (none) or after up to lock_timeout.
+  PostgresClaimWait claim_wait = PostgresClaimWait::none;
+  /// claim_wait bounded: how long acquire waits for a lock held by another transaction before
+  /// answering in_flight; none: the bound of waits the claim does not expect (a claimant of an
+  /// older library, the application's own locks on the table). The claim's only, not the handler's; > 0.
   millis lock_timeout{100};
   /// Create or upgrade the schema on first use; false = run migrate() from a deploy step instead.
   bool auto_migrate = true;
