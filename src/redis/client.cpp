@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <tuple>
 #include <utility>
 
 #include <poll.h>
@@ -43,8 +44,15 @@ std::size_t write_all(int fd, std::string_view data) noexcept {
   return done;
 }
 
-std::string describe(const RedisOptions& o) {
-  return o.unix_socket.empty() ? o.host + ":" + std::to_string(o.port) : o.unix_socket;
+std::string describe(const Endpoint& e) {
+  return e.host.find(':') != std::string::npos ? "[" + e.host + "]:" + std::to_string(e.port)
+                                               : e.host + ":" + std::to_string(e.port);
+}
+
+// What the pool's messages call the server.
+std::string pool_name(const RedisOptions& o) {
+  if (!o.sentinels.empty()) return "the Redis master '" + o.sentinel_master + "' (through Sentinel)";
+  return "Redis at " + (o.unix_socket.empty() ? describe({o.host, o.port}) : o.unix_socket);
 }
 
 Command script_load(Script s) {
@@ -56,9 +64,11 @@ Command script_load(Script s) {
 }  // namespace
 
 // A pooled connection the server closed while idle (restart, idle timeout, CLIENT KILL) reads as
-// ready-with-EOF; it is dropped before use, so a restart costs no failed call.
-bool Client::Traits::alive(connection& c) noexcept {
-  pollfd p{c->fd, POLLIN, 0};
+// ready-with-EOF; it is dropped before use, so a restart costs no failed call. So is one from an
+// older pool generation, or any while the master is in doubt (Sentinel mode).
+bool Client::Traits::alive(connection& c) const noexcept {
+  if (!client->sentinels_.empty() && (c.epoch != client->epoch_.load() || client->rediscover_.load())) return false;
+  pollfd p{c.context->fd, POLLIN, 0};
   int rc;
   do rc = ::poll(&p, 1, 0);
   while (rc < 0 && errno == EINTR);
@@ -67,19 +77,42 @@ bool Client::Traits::alive(connection& c) noexcept {
 
 Client::Client(RedisOptions o)
     : opt_(resolve_options(std::move(o))),
-      where_(describe(opt_)),
-      pool_(opt_.pool, Traits{this}, "Redis at " + where_) {
+      sentinels_(sentinel_endpoints(opt_)),
+      rediscover_(!sentinels_.empty()),
+      pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
+  if (opt_.min_replica_acks > 0) {
+    const Request w = Command().arg("WAIT").arg(opt_.min_replica_acks).arg(opt_.replica_ack_timeout.count()).format();
+    wait_.assign(w.view());
+  }
   // One connection now, so a wrong address or password fails here and not mid-message; every
-  // script is loaded on it in one round trip (a NOSCRIPT later reloads the one it names).
-  with_connection([&](redisContext* c) {
+  // script is loaded on it in one round trip (a NOSCRIPT later reloads the one it names). With
+  // min_replica_acks, ROLE says how many replicas the primary has now: fewer is worth a warning.
+  const int replicas = with_connection([&](redisContext* c) {
     Pipeline loads;
     for (std::size_t i = 0; i < script_count; ++i) loads.add(script_load(static_cast<Script>(i)).format());
+    if (opt_.min_replica_acks > 0) loads.add(Command().arg("ROLE").format());
     send(c, loads.all(), loads[0].size());
     std::array<ReplyPtr, script_count> replies;
     for (auto& r : replies) r = read_reply(c, "to SCRIPT LOAD");
     for (std::size_t i = 0; i < script_count; ++i) check_loaded(replies[i].get(), static_cast<Script>(i), store_hints);
-    return 0;
+    if (opt_.min_replica_acks == 0) return -1;
+    const ReplyPtr role = read_reply(c, "to ROLE");
+    const redisReply* r = role.get();
+    if (r->type == REDIS_REPLY_ARRAY && r->elements >= 3 && r->element[2]->type == REDIS_REPLY_ARRAY)
+      return static_cast<int>(r->element[2]->elements);
+    return -1;
   });
+  if (replicas >= 0 && replicas < opt_.min_replica_acks && opt_.observer)
+    opt_.observer->on_warning("idem: min_replica_acks is " + std::to_string(opt_.min_replica_acks) + " but " +
+                              where() + " has " + std::to_string(replicas) +
+                              " replica(s) connected: every write transition fails with durability_error until "
+                              "enough replicas are attached");
+}
+
+std::string Client::where() const {
+  if (sentinels_.empty()) return opt_.unix_socket.empty() ? describe({opt_.host, opt_.port}) : opt_.unix_socket;
+  std::lock_guard lock(master_mu_);
+  return master_.host.empty() ? std::string{} : describe(master_);
 }
 
 Command Client::evalsha(Script s, std::size_t numkeys) {
@@ -88,21 +121,118 @@ Command Client::evalsha(Script s, std::size_t numkeys) {
   return cmd;
 }
 
-// Sends the handshake (AUTH, SELECT) in one write and checks each answer.
-ContextPtr Client::connect() const {
+ContextPtr Client::open(const Endpoint& to, const char* role) const {
   const timeval ctv = to_timeval(opt_.connect_timeout);
-  redisContext* raw = opt_.unix_socket.empty() ? redisConnectWithTimeout(opt_.host.c_str(), opt_.port, ctv)
-                                               : redisConnectUnixWithTimeout(opt_.unix_socket.c_str(), ctv);
+  redisContext* raw = to.port == 0 ? redisConnectUnixWithTimeout(to.host.c_str(), ctv)
+                                   : redisConnectWithTimeout(to.host.c_str(), to.port, ctv);
   if (raw == nullptr) throw connection_error("idem: cannot allocate a Redis connection", "", true);
   ContextPtr c(raw);
+  const std::string at = to.port == 0 ? to.host : describe(to);
   if (c->err)
-    throw connection_error("idem: cannot connect to Redis at " + where_ + " within connect_timeout (" +
-                               ms(opt_.connect_timeout) + "): " + c->errstr +
-                               "; is redis-server running there? retry later",
+    throw connection_error("idem: cannot connect to " + std::string(role) + " at " + at + " within connect_timeout (" +
+                               ms(opt_.connect_timeout) + "): " + c->errstr + "; is it running there? retry later",
                            "", true);
   if (redisSetTimeout(c.get(), to_timeval(opt_.command_timeout)) != REDIS_OK)
     throw connection_error("idem: cannot set the command timeout on a Redis socket: " + std::string(c->errstr), "",
                            true);
+  return c;
+}
+
+std::pair<Endpoint, std::uint64_t> Client::master() const {
+  std::lock_guard lock(master_mu_);
+  if (rediscover_.load()) {
+    // Cleared before asking, so a failure that happens meanwhile sets it again.
+    rediscover_.store(false);
+    try {
+      master_ = discover();
+    } catch (...) {
+      rediscover_.store(true);
+      throw;
+    }
+    epoch_.fetch_add(1);  // every pooled connection is from before: reconnect them all
+    discoveries_.fetch_add(1);
+  }
+  return {master_, epoch_.load()};
+}
+
+Endpoint Client::discover() const {
+  Command ask;
+  ask.arg("SENTINEL").arg("get-master-addr-by-name").arg(opt_.sentinel_master);
+  Pipeline p;
+  if (!opt_.sentinel_password.empty()) {
+    Command auth;
+    auth.arg("AUTH");
+    if (!opt_.sentinel_user.empty()) auth.arg(opt_.sentinel_user);
+    p.add(auth.arg(opt_.sentinel_password).format());
+  }
+  p.add(ask.format());
+  std::string why;
+  bool any_answer = false;
+  for (std::size_t n = 0; n < sentinels_.size(); ++n) {
+    const std::size_t i = (first_sentinel_ + n) % sentinels_.size();
+    const std::string at = describe(sentinels_[i]);
+    try {
+      ContextPtr c = open(sentinels_[i], "the Redis sentinel");
+      // Not read_reply: its messages name the master, whose lock this thread holds.
+      auto failed = [&](const char* during) {
+        why += "; " + at + ": " + io_failure(c.get(), during, at, opt_.command_timeout).text;
+      };
+      if (write_all(c->fd, p.all()) != p.all().size()) {
+        failed("while sending");
+        continue;
+      }
+      std::string refused;
+      ReplyPtr last;
+      bool broke = false;
+      for (std::size_t k = 0; k < p.size() && !broke; ++k) {
+        void* raw = nullptr;
+        if (redisGetReply(c.get(), &raw) != REDIS_OK || raw == nullptr) {
+          failed("to SENTINEL get-master-addr-by-name");
+          broke = true;
+          break;
+        }
+        last.reset(static_cast<redisReply*>(raw));
+        if (is_error(last.get()) && refused.empty()) refused = reply_text(last.get());
+      }
+      if (broke) continue;
+      if (!refused.empty()) {
+        why += "; " + at + " refused: " + refused;
+        continue;
+      }
+      const redisReply* r = last.get();
+      any_answer = true;
+      if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r->element[0]->type == REDIS_REPLY_STRING &&
+          r->element[1]->type == REDIS_REPLY_STRING) {
+        int port = 0;
+        const std::string_view ps = reply_text(r->element[1]);
+        if (std::from_chars(ps.data(), ps.data() + ps.size(), port).ec == std::errc{} && port > 0 && port < 65536) {
+          first_sentinel_ = i;
+          return {std::string(reply_text(r->element[0])), port};
+        }
+      }
+      why += "; " + at + " does not know a master named '" + opt_.sentinel_master + "'";
+    } catch (const error& e) {
+      why += "; " + at + ": " + e.what();
+    }
+  }
+  const std::string msg = "idem: no sentinel named the Redis master '" + opt_.sentinel_master + "'" + why;
+  if (any_answer)
+    throw connection_error(msg + ". Check sentinel_master against `sentinel monitor <name> ...` (SENTINEL MASTERS "
+                                 "lists the names); retry later if a failover is under way",
+                           "SENTINEL", true);
+  throw connection_error(msg + ". Are the sentinels running at those addresses? retry later", "SENTINEL", true);
+}
+
+// Sends the handshake (AUTH, SELECT, and ROLE in Sentinel mode) in one write and checks each answer.
+Client::Connection Client::connect() const {
+  Endpoint to;
+  std::uint64_t epoch = epoch_.load();
+  if (!sentinels_.empty())
+    std::tie(to, epoch) = master();
+  else
+    to = opt_.unix_socket.empty() ? Endpoint{opt_.host, opt_.port} : Endpoint{opt_.unix_socket, 0};
+  const char* role = sentinels_.empty() ? "Redis" : "the Redis master";
+  ContextPtr c = open(to, role);
   Pipeline hello;
   if (!opt_.password.empty()) {
     Command auth;
@@ -111,16 +241,31 @@ ContextPtr Client::connect() const {
     hello.add(auth.arg(opt_.password).format());
   }
   if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
-  if (hello.size() == 0) return c;
+  const bool check_role = !sentinels_.empty();
+  if (check_role) hello.add(Command().arg("ROLE").format());
+  if (hello.size() == 0) return {std::move(c), epoch};
   if (write_all(c->fd, hello.all()) != hello.all().size()) throw_io(c.get(), "while authenticating", false);
   std::string first_error;
+  ReplyPtr last;
   for (std::size_t i = 0; i < hello.size(); ++i) {
     // No request of the caller's was sent yet: a failure here is an ordinary connection error.
-    ReplyPtr r = read_reply(c.get(), "while authenticating", false);
-    if (is_error(r.get()) && first_error.empty()) first_error = std::string(reply_text(r.get()));
+    last = read_reply(c.get(), "while authenticating", false);
+    if (is_error(last.get()) && first_error.empty()) first_error = std::string(reply_text(last.get()));
   }
   if (!first_error.empty()) throw_reply_error(first_error, "the connection handshake (AUTH/SELECT)", store_hints);
-  return c;
+  if (check_role) {
+    // The sentinels' answer can be a moment old: a demoted master answers ROLE slave.
+    const redisReply* r = last.get();
+    const bool is_master = r->type == REDIS_REPLY_ARRAY && r->elements > 0 &&
+                           r->element[0]->type == REDIS_REPLY_STRING && reply_text(r->element[0]) == "master";
+    if (!is_master) {
+      suspect();
+      throw connection_error("idem: the sentinels name " + describe(to) + " as the master '" + opt_.sentinel_master +
+                                 "', but it does not answer ROLE master (a failover under way?); retry later",
+                             "ROLE", true);
+    }
+  }
+  return {std::move(c), epoch};
 }
 
 void Client::send(redisContext* c, std::string_view data, std::size_t first) const {
@@ -142,13 +287,14 @@ ReplyPtr Client::read_reply(redisContext* c, const char* during, bool maybe_ran)
 }
 
 void Client::throw_io(const redisContext* c, const char* during, bool maybe_ran) const {
-  IoFailure f = io_failure(c, during, where_, opt_.command_timeout);
+  IoFailure f = io_failure(c, during, where(), opt_.command_timeout);
   if (maybe_ran) throw InDoubt{std::move(f)};
   throw_io_error(f, false);
 }
 
 void Client::throw_unsent(const NotSent& e) const {
-  throw connection_error("idem: cannot send to Redis at " + where_ + ": " + e.why + "; retry later", "", true);
+  suspect();
+  throw connection_error("idem: cannot send to Redis at " + where() + ": " + e.why + "; retry later", "", true);
 }
 
 void Client::check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints) {
@@ -167,44 +313,116 @@ void Client::load(redisContext* c, Script s, const ReplyErrorHints& hints) const
 
 namespace {
 bool is_noscript(const redisReply* r) { return is_error(r) && error_code(reply_text(r)) == "NOSCRIPT"; }
+// The replica answered where a master was expected, or the server is not ready: the request ran
+// nothing, and the sentinels may know a better server.
+bool is_not_master(const redisReply* r) {
+  if (!is_error(r)) return false;
+  const std::string_view code = error_code(reply_text(r));
+  return code == "READONLY" || code == "LOADING" || code == "MASTERDOWN";
+}
 }  // namespace
 
+namespace {
+// One formatted request seen as a pipeline of one, so eval builds no Pipeline.
+struct OneRequest {
+  const Request& r;
+  [[nodiscard]] std::size_t size() const noexcept { return 1; }
+  [[nodiscard]] std::string_view all() const noexcept { return r.view(); }
+  [[nodiscard]] std::string_view operator[](std::size_t) const noexcept { return r.view(); }
+};
+}  // namespace
+
+template <class Requests>
+void Client::run_scripts(redisContext* c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
+                         ReplyPtr* wait) const {
+  const char* during = p.size() == 1 ? "to EVALSHA" : "to a batch of EVALSHA";
+  // WAIT goes in the same write as the scripts: one round trip, and it counts the replicas that
+  // have this connection's writes, the scripts' included.
+  if (wait != nullptr) {
+    std::string all(p.all());
+    all += wait_;
+    send(c, all, p[0].size());
+  } else {
+    send(c, p.all(), p[0].size());
+  }
+  std::vector<std::size_t> again;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    out[i] = read_reply(c, during);
+    if (is_noscript(out[i].get())) again.push_back(i);
+  }
+  if (wait != nullptr) *wait = read_reply(c, "to WAIT");
+  if (!again.empty()) {
+    load(c, s, hints);
+    std::string all;
+    for (std::size_t i : again) all += p[i];
+    if (wait != nullptr) all += wait_;
+    resend_after(c, all, "while sending EVALSHA");
+    for (std::size_t i : again) out[i] = read_reply(c, during);
+    if (wait != nullptr) *wait = read_reply(c, "to WAIT");
+  }
+  // Sentinel mode: a server that is no longer the master ran nothing; ask the sentinels and send
+  // it once more on a connection to the master they name (attempt() retries a NotSent once).
+  if (!sentinels_.empty())
+    for (std::size_t i = 0; i < p.size(); ++i)
+      if (is_not_master(out[i].get())) {
+        suspect();
+        throw NotSent{"it answered " + std::string(error_code(reply_text(out[i].get()))) + " (not the master now)"};
+      }
+}
+
+void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const ReplyPtr& wait) const {
+  if (!wait) return;
+  bool changed = false;
+  for (std::size_t i = 0; i < n && !changed; ++i) changed = wrote(s, replies[i].get());
+  if (!changed) return;  // a duplicate or in_flight answer: nothing a failover could lose
+  const std::string what = std::string(script(s).name) + (n > 1 ? " (" + std::to_string(n) + " calls)" : "");
+  const std::string effect =
+      s == Script::acquire || s == Script::acquire_batch
+          ? "; the handler did not run: redeliver later (the key frees itself after the lease)"
+          : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds it "
+            "(or, if a failover lost it, runs again after the lease)";
+  if (is_error(wait.get()))
+    throw store_error("idem: Redis refused WAIT after " + what + ": " + std::string(reply_text(wait.get())) +
+                          "; min_replica_acks needs WAIT on a primary (the ACL user needs +wait)" + effect,
+                      std::string(error_code(reply_text(wait.get()))), false);
+  const long long acks = wait->type == REDIS_REPLY_INTEGER ? wait->integer : -1;
+  if (acks < 0) throw_bad_reply("WAIT after " + what);
+  if (acks >= opt_.min_replica_acks) return;
+  suspect();
+  throw durability_error("idem: " + what + " was written on the Redis primary at " + where() + " but " +
+                             std::to_string(acks) + " of the " + std::to_string(opt_.min_replica_acks) +
+                             " replica(s) asked for (min_replica_acks) acknowledged it within replica_ack_timeout (" +
+                             ms(opt_.replica_ack_timeout) + "): a failover now could lose it" + effect +
+                             ". If replicas are missing or lagging, see INFO replication on the primary",
+                         static_cast<int>(acks), opt_.min_replica_acks);
+}
+
 ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend) {
-  return with_resend(
+  const bool wait = !wait_.empty() && !reads_only(s);
+  Single r = with_resend(
       [&](redisContext* c) {
-        send(c, req.view(), req.size);
-        ReplyPtr reply = read_reply(c, "to EVALSHA");
-        if (is_noscript(reply.get())) {
-          load(c, s, hints);
-          resend_after(c, req.view(), "while sending EVALSHA");
-          reply = read_reply(c, "to EVALSHA");
-        }
-        return reply;
+        Single out;
+        run_scripts(c, s, OneRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
+        return out;
       },
       resend, script(s).name);
+  check_acks(s, &r.reply, 1, r.wait);
+  return std::move(r.reply);
 }
 
 std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend) {
   if (p.size() == 0) return {};
-  return with_resend(
+  const bool wait = !wait_.empty() && !reads_only(s);
+  Many r = with_resend(
       [&](redisContext* c) {
-        std::vector<ReplyPtr> out(p.size());
-        send(c, p.all(), p[0].size());
-        std::vector<std::size_t> again;
-        for (std::size_t i = 0; i < p.size(); ++i) {
-          out[i] = read_reply(c, "to a batch of EVALSHA");
-          if (is_noscript(out[i].get())) again.push_back(i);
-        }
-        if (!again.empty()) {
-          load(c, s, hints);
-          std::string all;
-          for (std::size_t i : again) all += p[i];
-          resend_after(c, all, "while sending a batch of EVALSHA");
-          for (std::size_t i : again) out[i] = read_reply(c, "to a batch of EVALSHA");
-        }
+        Many out;
+        out.replies.resize(p.size());
+        run_scripts(c, s, p, hints, out.replies.data(), wait ? &out.wait : nullptr);
         return out;
       },
       resend, script(s).name);
+  check_acks(s, r.replies.data(), r.replies.size(), r.wait);
+  return std::move(r.replies);
 }
 
 ReplyPtr Client::call(const Request& req, const char* during) {
@@ -288,6 +506,8 @@ const std::shared_ptr<RedisClient>& ClientHandle::client() const {
 RedisClient::RedisClient(RedisOptions options) : impl_(std::make_unique<detail::redis::Client>(std::move(options))) {}
 RedisClient::~RedisClient() = default;
 const RedisOptions& RedisClient::options() const noexcept { return impl_->options(); }
+std::string RedisClient::address() const { return impl_->where(); }
+std::uint64_t RedisClient::discoveries() const noexcept { return impl_->discoveries(); }
 std::string RedisClient::eviction_policy() { return impl_->server_config().policy; }
 
 }  // namespace idem

@@ -1,12 +1,15 @@
 #pragma once
 // Internal to idem_redis: the implementation behind idem::RedisClient — the pool of hiredis
 // connections (detail::Pool), the handshake, the one write path, the reply reader, script loading
-// with the NOSCRIPT reload, and the not-sent-retry-once rule. The stores only format requests and
-// parse replies.
+// with the NOSCRIPT reload, the not-sent-retry-once rule, the WAIT after each write transition
+// (min_replica_acks) and, in Sentinel mode, finding the master and following it. The stores only
+// format requests and parse replies.
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -86,6 +89,13 @@ void throw_if_error(const redisReply* r, const ReplyErrorHints& hints, const Wha
 // The options with the URL (when set) parsed into them and checked (invalid_options_error naming the field).
 RedisOptions resolve_options(RedisOptions o);
 
+struct Endpoint {
+  std::string host;
+  int port = 0;
+};
+// RedisOptions::sentinels parsed (invalid_options_error naming a bad entry).
+std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o);
+
 class Client {
 public:
   explicit Client(RedisOptions o);
@@ -93,11 +103,16 @@ public:
   Client& operator=(const Client&) = delete;
 
   [[nodiscard]] const RedisOptions& options() const noexcept { return opt_; }
+  // Where new connections go: host:port, the socket path, or the master last discovered.
+  [[nodiscard]] std::string where() const;
+  [[nodiscard]] std::uint64_t discoveries() const noexcept { return discoveries_.load(); }
 
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);
   // One EVALSHA; NOSCRIPT (SCRIPT FLUSH, a restart: the call ran nothing) reloads the script and
-  // resends. An error reply is returned, not thrown. `resend` says what a lost reply does.
+  // resends. An error reply is returned, not thrown. `resend` says what a lost reply does. With
+  // min_replica_acks, a reply that changed a record and was not acknowledged by enough replicas
+  // throws durability_error.
   ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend);
   // Many EVALSHA of `s` in one write and one read pass; NOSCRIPT ones are resent after a reload.
   std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend);
@@ -107,12 +122,20 @@ public:
   ServerConfig server_config();
 
 private:
+  // A pooled connection and the pool generation it belongs to: a new master (Sentinel) or a
+  // reason to doubt the current one starts a new generation, and older connections are closed.
+  struct Connection {
+    ContextPtr context;
+    std::uint64_t epoch = 0;
+  };
   struct Traits {
-    using connection = ContextPtr;
+    using connection = Connection;
     const Client* client;
     connection connect() const { return client->connect(); }
-    static bool alive(connection& c) noexcept;
-    static bool reusable(connection& c) noexcept { return c && c->err == 0; }
+    bool alive(connection& c) const noexcept;
+    bool reusable(connection& c) const noexcept {
+      return c.context && c.context->err == 0 && c.epoch == client->epoch_.load();
+    }
   };
 
   // The request never reached the server whole, so it did not run: safe to send again elsewhere.
@@ -123,6 +146,16 @@ private:
   struct InDoubt {
     IoFailure failure;
   };
+  // A script's reply (or a batch's) and, after a write with min_replica_acks, the reply to the
+  // WAIT sent with it.
+  struct Single {
+    ReplyPtr reply;
+    ReplyPtr wait;
+  };
+  struct Many {
+    std::vector<ReplyPtr> replies;
+    ReplyPtr wait;
+  };
 
   // Runs f(connection); a request that never left this process is sent once more on a fresh
   // connection (it cannot have run). Throws InDoubt when it may have run.
@@ -131,12 +164,21 @@ private:
     for (int n = 0;; ++n) {
       try {
         typename Pool<Traits>::Lease lease(pool_);  // closed on the way out unless healthy
-        auto result = f(lease.get().get());
+        auto result = f(lease.get().context.get());
         lease.healthy();
         return result;
       } catch (const NotSent& e) {
         if (n == 0) continue;
         throw_unsent(e);
+      } catch (const InDoubt&) {
+        suspect();
+        throw;
+      } catch (const connection_error&) {
+        suspect();
+        throw;
+      } catch (const timeout_error& e) {
+        if (e.code() != "POOL") suspect();
+        throw;
       }
     }
   }
@@ -177,18 +219,39 @@ private:
     }
     throw_outcome_unknown(first, what, second, std::move(code));
   }
-  static const redisReply* first_error(const ReplyPtr& r) { return is_error(r.get()) ? r.get() : nullptr; }
-  static const redisReply* first_error(const std::vector<ReplyPtr>& rs) {
-    for (const ReplyPtr& r : rs)
+  static const redisReply* first_error(const Single& r) { return is_error(r.reply.get()) ? r.reply.get() : nullptr; }
+  static const redisReply* first_error(const Many& rs) {
+    for (const ReplyPtr& r : rs.replies)
       if (is_error(r.get())) return r.get();
     return nullptr;
   }
+
+  // Sends the requests `p` (and WAIT after them when `wait` is not null), reads every reply into
+  // out[0..p.size()), reloads and resends NOSCRIPT ones.
+  template <class Requests>
+  void run_scripts(redisContext* c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
+                   ReplyPtr* wait) const;
+  // Throws durability_error when one of the n replies changed a record and WAIT counted too few replicas.
+  void check_acks(Script s, const ReplyPtr* replies, std::size_t n, const ReplyPtr& wait) const;
 
   [[noreturn]] void throw_unsent(const NotSent& e) const;
   // An I/O failure on `c`: InDoubt when the request may have run, else the typed error.
   [[noreturn]] void throw_io(const redisContext* c, const char* during, bool maybe_ran) const;
 
-  ContextPtr connect() const;
+  Connection connect() const;
+  // Opens a socket to `to` with the timeouts set (connection_error naming `to` and `role`).
+  ContextPtr open(const Endpoint& to, const char* role) const;
+  // Sentinel mode: the master to connect to and its generation, asking the sentinels first when
+  // the last one is in doubt.
+  std::pair<Endpoint, std::uint64_t> master() const;
+  // Asks the sentinels in turn for the master's address (the one that answered last first).
+  Endpoint discover() const;
+  // Something suggests the master changed (a broken connection, READONLY, too few acks): in
+  // Sentinel mode, ask the sentinels again before the next connection and drop pooled ones.
+  void suspect() const noexcept {
+    if (!sentinels_.empty()) rediscover_.store(true);
+  }
+
   // Writes `data` whole; throws NotSent when not even its first `first` bytes (its first request) left.
   void send(redisContext* c, std::string_view data, std::size_t first) const;
   // Writes `data` after an earlier request on the same connection: a failure is an I/O error.
@@ -199,7 +262,14 @@ private:
   static void check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints);
 
   RedisOptions opt_;
-  std::string where_;  // for messages: host:port or the socket path
+  std::string wait_;  // the formatted `WAIT n timeout`, "" when min_replica_acks is 0
+  std::vector<Endpoint> sentinels_;
+  mutable std::mutex master_mu_;         // guards master_ and first_sentinel_, serialises discovery
+  mutable Endpoint master_;              // Sentinel mode: the master last discovered
+  mutable std::size_t first_sentinel_ = 0;
+  mutable std::atomic<std::uint64_t> epoch_{0};
+  mutable std::atomic<bool> rediscover_;  // Sentinel mode: ask the sentinels before the next connection
+  mutable std::atomic<std::uint64_t> discoveries_{0};
   Pool<Traits> pool_;
 };
 

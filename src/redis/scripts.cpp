@@ -4,6 +4,7 @@
 
 #include <array>
 
+#include <hiredis/hiredis.h>
 #include <openssl/evp.h>
 
 #include "idem/core/error.hpp"
@@ -46,6 +47,38 @@ const ScriptInfo& script(Script s) {
     return r;
   }();
   return registry[static_cast<std::size_t>(s)];
+}
+
+namespace {
+bool first_is_one(const redisReply* r) {
+  return r->type == REDIS_REPLY_ARRAY && r->elements > 0 && r->element[0]->type == REDIS_REPLY_INTEGER &&
+         r->element[0]->integer == 1;
+}
+bool is_one(const redisReply* r) { return r->type == REDIS_REPLY_INTEGER && r->integer == 1; }
+template <class P>
+bool any_element(const redisReply* r, P p) {
+  if (r->type != REDIS_REPLY_ARRAY) return false;
+  for (std::size_t i = 0; i < r->elements; ++i)
+    if (p(r->element[i])) return true;
+  return false;
+}
+}  // namespace
+
+// The reply shapes are the scripts' (src/redis/lua/*.lua): acquire {1 acquired, ...}; complete,
+// fail, extend 1; sequence_advance {1 advanced, previous}; complete_advance {1 completed, ...}.
+bool wrote(Script s, const redisReply* r) {
+  switch (s) {
+    case Script::acquire:
+    case Script::sequence_advance:
+    case Script::complete_advance: return first_is_one(r);
+    case Script::complete:
+    case Script::fail:
+    case Script::extend: return is_one(r);
+    case Script::acquire_batch: return any_element(r, first_is_one);
+    case Script::complete_batch: return any_element(r, is_one);
+    case Script::inspect: return false;
+  }
+  return true;  // not reached; a script not listed is taken as a write
 }
 
 }  // namespace idem::detail::redis

@@ -29,6 +29,19 @@ struct ScriptInfo {
 
 const ScriptInfo& script(Script s);
 
+}  // namespace idem::detail::redis
+
+struct redisReply;
+
+namespace idem::detail::redis {
+
+// Whether `s` only reads (inspect): no WAIT is sent after it.
+constexpr bool reads_only(Script s) { return s == Script::inspect; }
+// Whether the reply `r` of `s` says the script changed a record (took a key, completed, failed,
+// extended, advanced a sequence): the answers whose loss in a failover matters, and so the ones
+// min_replica_acks checks. A duplicate or in_flight answer changed nothing.
+bool wrote(Script s, const redisReply* r);
+
 std::string sha1_hex(std::string_view text);
 
 }  // namespace idem::detail::redis

@@ -147,6 +147,8 @@ ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
     r = client.eval(s, cmd.format(), store_hints, resend_of(s));
   } catch (const outcome_unknown_error& e) {  // the client knows the script, not the key
     throw outcome_unknown_error(std::string(e.what()) + " (key '" + printable(key) + "')", e.code());
+  } catch (const durability_error& e) {
+    throw durability_error(std::string(e.what()) + " (key '" + printable(key) + "')", e.acks(), e.wanted());
   }
   throw_if_error(r.get(), store_hints,
                  [&] { return std::string(script(s).name) + " of key '" + printable(key) + "'"; });

@@ -47,8 +47,10 @@ int parse_int(std::string_view s, int lo, int hi, const std::string& what, const
   return v;
 }
 
-// The URL as it may appear in a message: the password replaced by ***.
+// The URL as it may appear in a message: the password replaced by *** (a sentinel_password in
+// the query is cut off with the whole query).
 std::string redact(std::string_view url) {
+  if (const auto q = url.find("sentinel_password="); q != std::string_view::npos) url = url.substr(0, url.find('?'));
   const auto scheme_end = url.find("://");
   if (scheme_end == std::string_view::npos) return printable(url, 200);
   const auto at = url.rfind('@');
@@ -57,18 +59,47 @@ std::string redact(std::string_view url) {
   return printable(std::string(url.substr(0, colon + 1)) + "***" + std::string(url.substr(at)), 200);
 }
 
+// "host[:port]" or "[v6]:port" of a URL; `default_port` when none is given.
+struct HostPort {
+  std::string host;
+  int port;
+};
+HostPort parse_host_port(std::string_view hostport, int default_port, const std::string& shown) {
+  auto bad = [&](const std::string& why) { throw invalid_options_error("idem: bad Redis URL '" + shown + "': " + why); };
+  if (hostport.empty()) bad("no host");
+  std::string_view host = hostport, port;
+  if (hostport.front() == '[') {
+    const auto close = hostport.find(']');
+    if (close == std::string_view::npos) bad("unterminated [IPv6] host");
+    host = hostport.substr(1, close - 1);
+    const std::string_view after = hostport.substr(close + 1);
+    if (!after.empty()) {
+      if (after.front() != ':') bad("expected ':' after the [IPv6] host");
+      port = after.substr(1);
+    }
+  } else if (const auto colon = hostport.rfind(':'); colon != std::string_view::npos) {
+    host = hostport.substr(0, colon);
+    port = hostport.substr(colon + 1);
+  }
+  if (host.empty()) bad("no host");
+  return {std::string(host), port.empty() ? default_port : parse_int(port, 1, 65535, "port", shown)};
+}
+
 }  // namespace
 
 RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
   const std::string shown = redact(url);
   auto bad = [&](const std::string& why) { throw invalid_options_error("idem: bad Redis URL '" + shown + "': " + why); };
   const auto scheme_end = url.find("://");
-  if (scheme_end == std::string_view::npos) bad("expected redis://host[:port][/db] or unix:///path");
+  if (scheme_end == std::string_view::npos)
+    bad("expected redis://host[:port][/db], unix:///path or redis-sentinel://host:port[,host:port...]/master-name");
   const std::string_view scheme = url.substr(0, scheme_end);
   std::string_view rest = url.substr(scheme_end + 3);
   if (scheme == "rediss") bad("TLS (rediss://) is not supported: idem's hiredis is built without TLS");
-  if (scheme != "redis" && scheme != "unix") bad("unknown scheme '" + printable(scheme) + "'; use redis:// or unix://");
+  if (scheme != "redis" && scheme != "unix" && scheme != "redis-sentinel")
+    bad("unknown scheme '" + printable(scheme) + "'; use redis://, unix:// or redis-sentinel://");
   const bool unix_scheme = scheme == "unix";
+  const bool sentinel_scheme = scheme == "redis-sentinel";
 
   std::string_view query;
   if (const auto q = rest.find('?'); q != std::string_view::npos) {
@@ -108,29 +139,37 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
   }
 
   int db = 0;
+  std::string sentinel_user, sentinel_password;
   if (unix_scheme) {
     if (path.empty() || path.front() != '/') bad("a unix:// URL needs an absolute socket path, as unix:///run/redis.sock");
     o.unix_socket = percent_decode(path, shown);
-  } else {
-    if (hostport.empty()) bad("no host");
-    std::string_view host = hostport, port;
-    if (hostport.front() == '[') {
-      const auto close = hostport.find(']');
-      if (close == std::string_view::npos) bad("unterminated [IPv6] host");
-      host = hostport.substr(1, close - 1);
-      const std::string_view after = hostport.substr(close + 1);
-      if (!after.empty()) {
-        if (after.front() != ':') bad("expected ':' after the [IPv6] host");
-        port = after.substr(1);
-      }
-    } else if (const auto colon = hostport.rfind(':'); colon != std::string_view::npos) {
-      host = hostport.substr(0, colon);
-      port = hostport.substr(colon + 1);
+    o.sentinels.clear();
+  } else if (sentinel_scheme) {
+    // redis-sentinel://h:p[,h:p...]/master-name[/db]: 26379 is Sentinel's own default port.
+    o.sentinels.clear();
+    while (!hostport.empty()) {
+      const auto comma = hostport.find(',');
+      const HostPort hp = parse_host_port(hostport.substr(0, comma), 26379, shown);
+      o.sentinels.push_back(hp.host.find(':') != std::string::npos ? "[" + hp.host + "]:" + std::to_string(hp.port)
+                                                                   : hp.host + ":" + std::to_string(hp.port));
+      hostport = comma == std::string_view::npos ? std::string_view{} : hostport.substr(comma + 1);
+      if (comma != std::string_view::npos && hostport.empty()) bad("a ',' with no sentinel after it");
     }
-    if (host.empty()) bad("no host");
-    o.host = std::string(host);
-    o.port = port.empty() ? 6379 : parse_int(port, 1, 65535, "port", shown);
+    if (o.sentinels.empty()) bad("no sentinel host");
+    const std::string_view names = path.empty() ? path : path.substr(1);
+    const auto slash = names.find('/');
+    const std::string_view name = names.substr(0, slash);
+    if (name.empty()) bad("no master name; expected redis-sentinel://host:port[,host:port...]/master-name[/db]");
+    o.sentinel_master = percent_decode(name, shown);
+    if (slash != std::string_view::npos && slash + 1 < names.size())
+      db = parse_int(names.substr(slash + 1), 0, 1'000'000, "database index", shown);
     o.unix_socket.clear();
+  } else {
+    const HostPort hp = parse_host_port(hostport, 6379, shown);
+    o.host = hp.host;
+    o.port = hp.port;
+    o.unix_socket.clear();
+    o.sentinels.clear();
     if (!path.empty() && path != "/") db = parse_int(path.substr(1), 0, 1'000'000, "database index", shown);
   }
   while (!query.empty()) {
@@ -139,12 +178,21 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
     query = amp == std::string_view::npos ? std::string_view{} : query.substr(amp + 1);
     if (kv.substr(0, 3) == "db=")
       db = parse_int(kv.substr(3), 0, 1'000'000, "database index", shown);
+    else if (sentinel_scheme && kv.substr(0, 14) == "sentinel_user=")
+      sentinel_user = percent_decode(kv.substr(14), shown);
+    else if (sentinel_scheme && kv.substr(0, 18) == "sentinel_password=")
+      sentinel_password = percent_decode(kv.substr(18), shown);
     else
-      bad("unknown parameter '" + printable(kv) + "'; only db=N is understood");
+      bad("unknown parameter '" + printable(kv.substr(0, kv.find('='))) + "'; only db=N" +
+          (sentinel_scheme ? ", sentinel_user=U and sentinel_password=P are" : " is") + " understood");
   }
   o.user = std::move(user);
   o.password = std::move(password);
   o.db = db;
+  if (sentinel_scheme) {
+    o.sentinel_user = std::move(sentinel_user);
+    o.sentinel_password = std::move(sentinel_password);
+  }
   o.url = std::string(url);
   return o;
 }
@@ -165,6 +213,19 @@ void check_options(const RedisOptions& o) {
   if (o.command_timeout <= millis{0}) bad("command_timeout must be positive, got " + ms(o.command_timeout));
   check_pool_options(o.pool, "RedisOptions");
   if (!o.user.empty() && o.password.empty()) bad("user '" + printable(o.user) + "' is set without a password");
+  if (!o.sentinels.empty()) {
+    if (o.sentinel_master.empty())
+      bad("sentinels are set but sentinel_master is empty; set it to the name in `sentinel monitor <name> ...`");
+    (void)sentinel_endpoints(o);
+  } else if (!o.sentinel_master.empty()) {
+    bad("sentinel_master '" + printable(o.sentinel_master) + "' is set without sentinels; list them (host:port)");
+  }
+  if (!o.sentinel_user.empty() && o.sentinel_password.empty())
+    bad("sentinel_user '" + printable(o.sentinel_user) + "' is set without sentinel_password");
+  if (o.min_replica_acks < 0) bad("min_replica_acks " + std::to_string(o.min_replica_acks) + " is negative; 0 turns WAIT off");
+  if (o.min_replica_acks > 0 && (o.replica_ack_timeout <= millis{0} || o.replica_ack_timeout >= o.command_timeout))
+    bad("replica_ack_timeout " + ms(o.replica_ack_timeout) + " must be positive and below command_timeout (" +
+        ms(o.command_timeout) + "): the reply to WAIT comes after it, within the same command_timeout");
   const auto open = o.key_prefix.find('{');
   const auto close = o.key_prefix.find('}');
   if (open != std::string::npos || close != std::string::npos) {
@@ -178,6 +239,20 @@ void check_options(const RedisOptions& o) {
 }
 
 }  // namespace
+
+std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o) {
+  std::vector<Endpoint> out;
+  for (const std::string& s : o.sentinels) {
+    try {
+      const HostPort hp = parse_host_port(s, 26379, s);
+      out.push_back({hp.host, hp.port});
+    } catch (const invalid_options_error&) {
+      throw invalid_options_error("idem: RedisOptions: sentinel '" + printable(s) +
+                                  "' is not host:port (IPv6 as [addr]:port, port 1..65535)");
+    }
+  }
+  return out;
+}
 
 RedisOptions resolve_options(RedisOptions o) {
   if (!o.url.empty()) {

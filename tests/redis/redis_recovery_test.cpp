@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <csignal>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -335,4 +336,113 @@ TEST_CASE("redis limits come from proto-max-bulk-len, a result over them complet
   // One that fits is stored as usual.
   CHECK(guard.run(k + "-fits", [] { return std::string((1u << 20) - (1u << 17), 'y'); }).status ==
         idem::Status::executed);
+}
+
+namespace {
+
+// A primary and one replica of it, the link up and caught up.
+struct Replicated {
+  RedisServer primary;
+  RedisServer replica{{"replicaof 127.0.0.1 " + std::to_string(primary.port())}};
+  Replicated() {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (replica.command({"INFO", "replication"}).find("master_link_status:up") == std::string::npos) {
+      if (std::chrono::steady_clock::now() > deadline) FAIL("the replica did not sync: " + replica.log_tail());
+      std::this_thread::sleep_for(20ms);
+    }
+  }
+  [[nodiscard]] idem::RedisOptions options(int acks) const {
+    idem::RedisOptions o = primary.options();
+    o.min_replica_acks = acks;
+    o.replica_ack_timeout = 300ms;
+    o.command_timeout = 2s;
+    return o;
+  }
+  void pause_replica() { ::kill(replica.pid(), SIGSTOP); }
+  void resume_replica() { ::kill(replica.pid(), SIGCONT); }
+};
+
+// Collects the store's warnings.
+struct Warnings : idem::Observer {
+  std::vector<std::string> seen;
+  void on_warning(std::string_view m) noexcept override { seen.emplace_back(m); }
+};
+
+}  // namespace
+
+TEST_CASE("redis min_replica_acks 1: each write transition is on the replica when it returns",
+          "[redis][replication]") {
+  Replicated t;
+  idem::RedisStore store(t.options(1));
+  const std::string k = "acked-" + idem::test::random_hex();
+  const std::string raw = store.redis_key(k);
+  auto r = store.acquire(k, params(7));
+  REQUIRE(r.status == AcquireStatus::acquired);
+  // WAIT returned only once the replica had the claim: it is there now, no polling.
+  CHECK(t.replica.command({"EXISTS", raw}) == "1");
+  REQUIRE(store.complete(k, r.holder, "done", 60s) == WriteStatus::ok);
+  CHECK(t.replica.command({"GET", raw}) == t.primary.command({"GET", raw}));
+  auto dup = store.acquire(k, params(8));
+  CHECK(dup.status == AcquireStatus::duplicate);
+  CHECK(dup.payload == "done");
+}
+
+TEST_CASE("redis min_replica_acks 1 with the replica stopped: the handler does not run, reads still answer",
+          "[redis][replication]") {
+  Replicated t;
+  idem::RedisStore store(t.options(1));
+  idem::IdempotencyGuard guard(store, {.lease = 30s, .retention = 60s});
+  const std::string ns = "unacked-" + idem::test::random_hex() + ":";
+  REQUIRE(guard.run(ns + "done", [] { return 1; }).status == idem::Status::executed);
+  auto held = store.acquire(ns + "held", params(11));
+  REQUIRE(held.status == AcquireStatus::acquired);
+
+  t.pause_replica();
+  int runs = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    (void)guard.run(ns + "new", [&] { return ++runs; });
+    FAIL("a claim no replica acknowledged ran the handler");
+  } catch (const idem::durability_error& e) {
+    CHECK(e.acks() == 0);
+    CHECK(e.wanted() == 1);
+    CHECK(e.retryable());
+    CHECK(e.code() == "WAIT");
+    CHECK(std::string(e.what()).find("the handler did not run") != std::string::npos);
+  }
+  CHECK(runs == 0);
+  CHECK(std::chrono::steady_clock::now() - t0 >= 250ms);  // it waited replica_ack_timeout, no longer
+  // A duplicate changed nothing: answered (after the WAIT that came with it), not an error.
+  CHECK(guard.run(ns + "done", [&] { return ++runs; }).status == idem::Status::duplicate);
+  // A completion the replica did not acknowledge stands on the primary and is reported.
+  try {
+    (void)store.complete(ns + "held", held.holder, "r", 60s);
+    FAIL("an unacknowledged completion was reported ok");
+  } catch (const idem::durability_error& e) {
+    CHECK(std::string(e.what()).find("the write stands on the primary") != std::string::npos);
+  }
+  t.resume_replica();
+  auto rec = store.inspect(ns + "held");
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::completed);
+  // Once the replica is back, the same calls succeed again.
+  CHECK(guard.run(ns + "after", [&] { return ++runs; }).status == idem::Status::executed);
+  CHECK(runs == 1);
+}
+
+TEST_CASE("redis min_replica_acks above the replicas attached: a warning at construction, writes fail closed",
+          "[redis][replication]") {
+  RedisServer server;
+  auto warnings = std::make_shared<Warnings>();
+  idem::RedisOptions o = server.options();
+  o.min_replica_acks = 1;
+  o.replica_ack_timeout = 100ms;
+  o.observer = warnings;
+  idem::RedisStore store(o);
+  REQUIRE(warnings->seen.size() == 1);
+  CHECK(warnings->seen[0].find("0 replica(s) connected") != std::string::npos);
+  CHECK_THROWS_AS(store.acquire("alone-" + idem::test::random_hex(), params(1)), idem::durability_error);
+  // Batches are written in one script per chunk and checked by the WAIT after them.
+  const std::vector<std::string_view> keys{"alone-a", "alone-b"};
+  CHECK_THROWS_AS(store.acquire_batch(keys, params(2)), idem::durability_error);
 }

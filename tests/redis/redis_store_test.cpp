@@ -103,6 +103,40 @@ TEST_CASE("redis URL parsing", "[redis][options]") {
   }
 }
 
+TEST_CASE("redis-sentinel URL parsing", "[redis][options][sentinel]") {
+  auto o = idem::parse_redis_url("redis-sentinel://app:p%40ss@s1.example:5000,[::1],s3:26380/orders/2");
+  CHECK(o.sentinels == std::vector<std::string>{"s1.example:5000", "[::1]:26379", "s3:26380"});
+  CHECK(o.sentinel_master == "orders");
+  CHECK(o.user == "app");
+  CHECK(o.password == "p@ss");
+  CHECK(o.db == 2);
+  CHECK(o.sentinel_user.empty());
+
+  o = idem::parse_redis_url("redis-sentinel://h:1/m?sentinel_user=watch&sentinel_password=s%26cret");
+  CHECK(o.sentinels == std::vector<std::string>{"h:1"});
+  CHECK(o.sentinel_master == "m");
+  CHECK(o.sentinel_user == "watch");
+  CHECK(o.sentinel_password == "s&cret");
+  CHECK(o.db == 0);
+
+  // A plain URL after a sentinel one leaves no sentinel behind.
+  o = idem::parse_redis_url("redis://h:7000", o);
+  CHECK(o.sentinels.empty());
+
+  for (const char* bad : {"redis-sentinel://h:1", "redis-sentinel://h:1/", "redis-sentinel:///m", "redis-sentinel://h:1,/m",
+                          "redis-sentinel://h:0/m", "redis-sentinel://h:1/m/x", "redis-sentinel://h:1/m?db=1&x=2",
+                          "redis://h?sentinel_user=u"}) {
+    INFO("url: " << bad);
+    CHECK_THROWS_AS(idem::parse_redis_url(bad), idem::invalid_options_error);
+  }
+  try {
+    idem::parse_redis_url("redis-sentinel://h:1/m?sentinel_password=topsecret&bogus=1");
+    FAIL("accepted an unknown parameter");
+  } catch (const idem::invalid_options_error& e) {
+    CHECK(std::string(e.what()).find("topsecret") == std::string::npos);
+  }
+}
+
 TEST_CASE("redis options are validated before connecting", "[redis][options]") {
   auto bad = [](auto change) {
     RedisOptions o = server().options();
@@ -121,6 +155,26 @@ TEST_CASE("redis options are validated before connecting", "[redis][options]") {
   bad([](RedisOptions& o) { o.key_prefix = "{}:"; });
   bad([](RedisOptions& o) { o.key_prefix = "{a}{b}:"; });
   bad([](RedisOptions& o) { o.url = "rediss://127.0.0.1"; });
+  bad([](RedisOptions& o) { o.min_replica_acks = -1; });
+  bad([](RedisOptions& o) {
+    o.min_replica_acks = 1;
+    o.replica_ack_timeout = 0ms;
+  });
+  bad([](RedisOptions& o) {
+    o.min_replica_acks = 1;
+    o.replica_ack_timeout = o.command_timeout;
+  });
+  bad([](RedisOptions& o) { o.sentinels = {"127.0.0.1:26379"}; });  // no sentinel_master
+  bad([](RedisOptions& o) { o.sentinel_master = "m"; });            // no sentinels
+  bad([](RedisOptions& o) {
+    o.sentinels = {"127.0.0.1:port"};
+    o.sentinel_master = "m";
+  });
+  bad([](RedisOptions& o) {
+    o.sentinels = {"127.0.0.1:26379"};
+    o.sentinel_master = "m";
+    o.sentinel_user = "watch";
+  });
   RedisOptions ok = server().options();
   ok.key_prefix = "{idem}:";  // one whole tag: all keys in one slot, accepted
   CHECK_NOTHROW(RedisStore(ok));

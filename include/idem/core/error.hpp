@@ -97,6 +97,26 @@ public:
       : store_error(what, std::move(code), retryable) {}
 };
 
+/// A write the primary made was acknowledged by fewer replicas than asked (min_replica_acks)
+/// within the wait: a failover now could lose it. Retryable: an acquire not acknowledged ran no
+/// handler (its claim lapses after the lease); a completion not acknowledged is reported so the
+/// message is not acked, and its redelivery finds the record (a duplicate) or, if the failover
+/// lost it, runs again after the lease (docs/guarantees.md).
+class durability_error : public store_error {
+public:
+  /// Builds the error; `acks` replicas answered of the `wanted`.
+  durability_error(const std::string& what, int acks, int wanted)
+      : store_error(what, "WAIT", true), acks_(acks), wanted_(wanted) {}
+  /// Replicas that acknowledged the write within the wait.
+  [[nodiscard]] int acks() const noexcept { return acks_; }
+  /// Replicas that were asked for (min_replica_acks).
+  [[nodiscard]] int wanted() const noexcept { return wanted_; }
+
+private:
+  int acks_;
+  int wanted_;
+};
+
 /// A stored record (or stored result) cannot be decoded; never reported as a duplicate.
 class corrupt_record_error : public error {
 public:

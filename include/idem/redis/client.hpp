@@ -2,6 +2,7 @@
 /// @file redis/client.hpp RedisClient: the one connection to a Redis server that RedisStore and
 /// RedisSequenceStore share (pool, handshake, scripts, error mapping).
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -66,6 +67,11 @@ public:
 
   /// The options in force (URL applied).
   [[nodiscard]] const RedisOptions& options() const noexcept;
+  /// Where new connections go now: "host:port" or the socket path; in Sentinel mode the master
+  /// last discovered ("" before the first discovery).
+  [[nodiscard]] std::string address() const;
+  /// Times the master was (re)discovered through the sentinels (0 outside Sentinel mode).
+  [[nodiscard]] std::uint64_t discoveries() const noexcept;
   /// The server's `maxmemory-policy`, or "" when it cannot be read (e.g. CONFIG denied by ACL).
   [[nodiscard]] std::string eviction_policy();
 

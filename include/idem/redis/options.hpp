@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "idem/core/observer.hpp"
 #include "idem/core/pool_options.hpp"
@@ -14,9 +15,11 @@ namespace idem {
 /// Options of RedisClient (and of the stores that build their own). Durations in milliseconds;
 /// docs/redis.md explains each choice.
 struct RedisOptions {
-  /// `redis://[user[:password]@]host[:port][/db]` or `unix://[user[:password]@]/path[?db=N]`
-  /// (user and password percent-decoded); when set it overrides host, port, unix_socket, user,
-  /// password and db. Empty = use those fields. `rediss://` is refused: no TLS support.
+  /// `redis://[user[:password]@]host[:port][/db]`, `unix://[user[:password]@]/path[?db=N]` or
+  /// `redis-sentinel://[user[:password]@]host:port[,host:port...]/master-name[/db]` (user and
+  /// password percent-decoded: the data nodes'; a sentinel URL may add `?sentinel_user=U&
+  /// sentinel_password=P`); when set it overrides host, port, unix_socket, user, password, db and
+  /// the sentinel fields. Empty = use those fields. `rediss://` is refused: no TLS support.
   std::string url;
   /// Server host name or address, used when unix_socket is empty.
   std::string host = "127.0.0.1";
@@ -43,11 +46,30 @@ struct RedisOptions {
   /// `maxmemory-policy` other than `noeviction`: it could evict live idempotency records, and their
   /// messages would run again. true = accept such a server anyway, with an observer warning.
   bool unsafe_allow_eviction = false;
+  /// Sentinels as "host:port" (IPv6 as "[addr]:port"); non-empty = Sentinel mode: the master of
+  /// `sentinel_master` is asked of them (host, port and unix_socket are then unused), its role is
+  /// checked on every new connection, and a broken connection or a READONLY/LOADING/MASTERDOWN
+  /// reply makes the client ask again and reconnect its pool (docs/redis.md, "Sentinel").
+  std::vector<std::string> sentinels;
+  /// The name the sentinels monitor the master under (`sentinel monitor <name> ...`); required with sentinels.
+  std::string sentinel_master;
+  /// ACL user for the sentinels (not the data nodes: those use user/password); empty = default user.
+  std::string sentinel_user;
+  /// Password for the sentinels' AUTH; empty = no AUTH.
+  std::string sentinel_password;
+  /// Replicas that must acknowledge each write transition (acquire that took the key, complete,
+  /// fail, extend, sequence advance, batches) before it counts: `WAIT n replica_ack_timeout` is
+  /// sent in the same write, so it costs no extra round trip. Fewer acks = durability_error
+  /// (retryable; an acquire then runs no handler). 0 = no WAIT (a write acknowledged by the master
+  /// alone can be lost in a failover). docs/guarantees.md says what each setting guarantees.
+  int min_replica_acks = 0;
+  /// How long WAIT waits for min_replica_acks; > 0 and below command_timeout.
+  millis replica_ack_timeout{500};
   /// Receives store advisories (on_warning); null = none.
   std::shared_ptr<Observer> observer;
 };
 
-/// Parses a `redis://` or `unix://` URL onto `base`; throws invalid_options_error naming the flaw.
+/// Parses a `redis://`, `unix://` or `redis-sentinel://` URL onto `base`; throws invalid_options_error naming the flaw.
 RedisOptions parse_redis_url(std::string_view url, RedisOptions base = {});
 
 }  // namespace idem

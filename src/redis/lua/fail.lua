@@ -5,7 +5,10 @@ local r = of_holder(KEYS[1], ARGV[1], ARGV[2])
 if not r or r.st == COMPLETED then return 0 end
 -- Already failed by this holder with this error and permanence: this request asked again.
 if r.st == FAILED then
-  if r.pay == ARGV[3] and r.perm == (ARGV[4] ~= '1' and ARGV[5] == '1') then return 1 end
+  if r.pay == ARGV[3] and r.perm == (ARGV[4] ~= '1' and ARGV[5] == '1') then
+    touch(KEYS[1])
+    return 1
+  end
   return 0
 end
 local now, release = now_ms(), ARGV[4] == '1'

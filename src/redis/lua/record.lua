@@ -126,6 +126,15 @@ local function held(key, fence, token)
   return nil
 end
 
+-- A step found already done writes nothing, so a WAIT sent after it (min_replica_acks) would count
+-- replicas against this connection's writes alone and could pass before the first request's write
+-- reached them. Setting the key's expiry to what it is now is a write that replicates after that
+-- first one, so the WAIT covers it. (Redis propagates it as PEXPIREAT: the same instant, within 1 ms.)
+local function touch(key)
+  local ttl = redis.call('PTTL', key)
+  if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+end
+
 -- A holder's write that finds its own step already done answers as the step did (1): the client
 -- sends a request once more, as the same holder, when the reply to the first was lost (the first
 -- may have run). The step is recognised by the same holder and the same data, so a different
@@ -230,7 +239,10 @@ local function complete_key(key, fence, token, result, ret, unavailable)
   end
   local r = decode(s)
   if r.gen ~= g or r.tok ~= token then return 0 end
-  if r.st == 2 and r.perm == (unavailable == true) and r.pay == result then return 1 end -- done
+  if r.st == 2 and r.perm == (unavailable == true) and r.pay == result then -- done
+    touch(key)
+    return 1
+  end
   if r.st ~= 1 then return 0 end
   r.st, r.pay, r.perm = 2, result, unavailable == true
   redis.call('SET', key, encode(r), 'PX', ret)
