@@ -2,6 +2,8 @@
 
 #include "client.hpp"
 
+#include "cluster.hpp"
+
 #include <array>
 #include <cerrno>
 #include <charconv>
@@ -15,10 +17,17 @@
 
 #include "idem/core/error.hpp"
 #include "idem/redis/client.hpp"
+#include "idem/redis/hash_slot.hpp"
 
 namespace idem {
 
 namespace detail::redis {
+
+std::string describe(const Endpoint& e) {
+  if (e.port == 0) return e.host;
+  return e.host.find(':') != std::string::npos ? "[" + e.host + "]:" + std::to_string(e.port)
+                                               : e.host + ":" + std::to_string(e.port);
+}
 
 namespace {
 
@@ -42,11 +51,6 @@ std::size_t write_all(int fd, std::string_view data) noexcept {
     done += static_cast<std::size_t>(n);
   }
   return done;
-}
-
-std::string describe(const Endpoint& e) {
-  return e.host.find(':') != std::string::npos ? "[" + e.host + "]:" + std::to_string(e.port)
-                                               : e.host + ":" + std::to_string(e.port);
 }
 
 // What the pool's messages call the server.
@@ -84,6 +88,12 @@ Client::Client(RedisOptions o)
     const Request w = Command().arg("WAIT").arg(opt_.min_replica_acks).arg(opt_.replica_ack_timeout.count()).format();
     wait_.assign(w.view());
   }
+  // Cluster mode: this client routes; a client per master (each a pool to one server, built by
+  // the cluster) does the rest, and this one's own pool is never used.
+  if (!opt_.cluster_nodes.empty()) {
+    cluster_ = std::make_unique<Cluster>(opt_);
+    return;
+  }
   // One connection now, so a wrong address or password fails here and not mid-message; every
   // script is loaded on it in one round trip (a NOSCRIPT later reloads the one it names). With
   // min_replica_acks, ROLE says how many replicas the primary has now: fewer is worth a warning.
@@ -109,7 +119,10 @@ Client::Client(RedisOptions o)
                               "enough replicas are attached");
 }
 
+Client::~Client() = default;
+
 std::string Client::where() const {
+  if (cluster_) return cluster_->masters();
   if (sentinels_.empty()) return opt_.unix_socket.empty() ? describe({opt_.host, opt_.port}) : opt_.unix_socket;
   std::lock_guard lock(master_mu_);
   return master_.host.empty() ? std::string{} : describe(master_);
@@ -121,13 +134,15 @@ Command Client::evalsha(Script s, std::size_t numkeys) {
   return cmd;
 }
 
-ContextPtr Client::open(const Endpoint& to, const char* role) const {
+ContextPtr Client::open(const Endpoint& to, const char* role) const { return open_connection(to, opt_, role); }
+
+ContextPtr open_connection(const Endpoint& to, const RedisOptions& opt_, const char* role) {
   const timeval ctv = to_timeval(opt_.connect_timeout);
   redisContext* raw = to.port == 0 ? redisConnectUnixWithTimeout(to.host.c_str(), ctv)
                                    : redisConnectWithTimeout(to.host.c_str(), to.port, ctv);
   if (raw == nullptr) throw connection_error("idem: cannot allocate a Redis connection", "", true);
   ContextPtr c(raw);
-  const std::string at = to.port == 0 ? to.host : describe(to);
+  const std::string at = describe(to);
   if (c->err)
     throw connection_error("idem: cannot connect to " + std::string(role) + " at " + at + " within connect_timeout (" +
                                ms(opt_.connect_timeout) + "): " + c->errstr + "; is it running there? retry later",
@@ -325,11 +340,18 @@ bool is_not_master(const redisReply* r) {
 namespace {
 // One formatted request seen as a pipeline of one, so eval builds no Pipeline.
 struct OneRequest {
-  const Request& r;
+  static constexpr bool asking = false;
+  std::string_view r;
   [[nodiscard]] std::size_t size() const noexcept { return 1; }
-  [[nodiscard]] std::string_view all() const noexcept { return r.view(); }
-  [[nodiscard]] std::string_view operator[](std::size_t) const noexcept { return r.view(); }
+  [[nodiscard]] std::string_view all() const noexcept { return r; }
+  [[nodiscard]] std::string_view operator[](std::size_t) const noexcept { return r; }
 };
+// The same after an ASK redirection: ASKING goes first, in the same write, and again before a
+// resend (it admits the one command after it).
+struct AskingRequest : OneRequest {
+  static constexpr bool asking = true;
+};
+constexpr std::string_view asking_request = "*1\r\n$6\r\nASKING\r\n";
 }  // namespace
 
 template <class Requests>
@@ -338,10 +360,13 @@ void Client::run_scripts(redisContext* c, Script s, const Requests& p, const Rep
   const char* during = p.size() == 1 ? "to EVALSHA" : "to a batch of EVALSHA";
   // WAIT goes in the same write as the scripts: one round trip, and it counts the replicas that
   // have this connection's writes, the scripts' included.
-  if (wait != nullptr) {
-    std::string all(p.all());
-    all += wait_;
-    send(c, all, p[0].size());
+  const std::string_view before = Requests::asking ? asking_request : std::string_view{};
+  if (wait != nullptr || Requests::asking) {
+    std::string all(before);
+    all += p.all();
+    if (wait != nullptr) all += wait_;
+    send(c, all, before.size() + p[0].size());
+    if (Requests::asking) (void)read_reply(c, "to ASKING");
   } else {
     send(c, p.all(), p[0].size());
   }
@@ -353,10 +378,11 @@ void Client::run_scripts(redisContext* c, Script s, const Requests& p, const Rep
   if (wait != nullptr) *wait = read_reply(c, "to WAIT");
   if (!again.empty()) {
     load(c, s, hints);
-    std::string all;
+    std::string all(before);
     for (std::size_t i : again) all += p[i];
     if (wait != nullptr) all += wait_;
     resend_after(c, all, "while sending EVALSHA");
+    if (Requests::asking) (void)read_reply(c, "to ASKING");
     for (std::size_t i : again) out[i] = read_reply(c, during);
     if (wait != nullptr) *wait = read_reply(c, "to WAIT");
   }
@@ -397,12 +423,20 @@ void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const 
                          static_cast<int>(acks), opt_.min_replica_acks);
 }
 
-ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend) {
+ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot) {
+  if (cluster_) return cluster_->eval(s, req, hints, resend, slot);
+  return eval_at(s, req.view(), hints, resend, false);
+}
+
+ReplyPtr Client::eval_at(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, bool asking) {
   const bool wait = !wait_.empty() && !reads_only(s);
   Single r = with_resend(
       [&](redisContext* c) {
         Single out;
-        run_scripts(c, s, OneRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
+        if (asking)
+          run_scripts(c, s, AskingRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
+        else
+          run_scripts(c, s, OneRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
         return out;
       },
       resend, script(s).name);
@@ -410,7 +444,13 @@ ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints
   return std::move(r.reply);
 }
 
-std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend) {
+std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, std::span<const int> slots,
+                                        const ReplyErrorHints& hints, Resend resend) {
+  if (cluster_) return cluster_->eval_many(s, p, slots, hints, resend);
+  return eval_many_at(s, p, hints, resend);
+}
+
+std::vector<ReplyPtr> Client::eval_many_at(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend) {
   if (p.size() == 0) return {};
   const bool wait = !wait_.empty() && !reads_only(s);
   Many r = with_resend(
@@ -425,9 +465,21 @@ std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, const Reply
   return std::move(r.replies);
 }
 
-ReplyPtr Client::call(const Request& req, const char* during) {
+ReplyPtr Client::call(const Request& req, const char* during, int slot) {
+  if (cluster_) return cluster_->call(req, during, slot);
+  return call_at(req.view(), during, false);
+}
+
+ReplyPtr Client::call_at(std::string_view req, const char* during, bool asking) {
   return with_connection([&](redisContext* c) {
-    send(c, req.view(), req.size);
+    if (!asking) {
+      send(c, req, req.size());
+      return read_reply(c, during);
+    }
+    std::string all(asking_request);
+    all += req;
+    send(c, all, all.size());
+    (void)read_reply(c, "to ASKING");
     return read_reply(c, during);
   });
 }
@@ -453,6 +505,7 @@ bool config_number(const redisReply* r, std::string_view name, std::uint64_t& ou
 
 // `CONFIG GET maxmemory*` rather than naming two settings: Redis < 7 takes one pattern only.
 ServerConfig Client::server_config() {
+  if (cluster_) return cluster_->server_config();
   Pipeline p;
   p.add(Command().arg("CONFIG").arg("GET").arg("maxmemory*").format());
   p.add(Command().arg("CONFIG").arg("GET").arg("proto-max-bulk-len").format());
@@ -508,6 +561,25 @@ RedisClient::~RedisClient() = default;
 const RedisOptions& RedisClient::options() const noexcept { return impl_->options(); }
 std::string RedisClient::address() const { return impl_->where(); }
 std::uint64_t RedisClient::discoveries() const noexcept { return impl_->discoveries(); }
+RedisClientStats RedisClient::stats() const noexcept { return impl_->stats(); }
 std::string RedisClient::eviction_policy() { return impl_->server_config().policy; }
 
 }  // namespace idem
+
+namespace idem::detail::redis {
+
+RedisClientStats Client::stats() const noexcept {
+  RedisClientStats s;
+  s.discoveries = discoveries_.load();
+  if (cluster_) cluster_->add_stats(s);
+  return s;
+}
+
+int Client::slot_of(std::initializer_list<std::string_view> parts) const {
+  if (!cluster_) return -1;
+  std::string key;
+  for (std::string_view p : parts) key += p;
+  return redis_hash_slot(key);
+}
+
+}  // namespace idem::detail::redis

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "command.hpp"
 #include "idem/core/error.hpp"
 #include "pool.hpp"
+#include "idem/redis/client.hpp"
 #include "idem/redis/options.hpp"
 #include "scripts.hpp"
 
@@ -93,12 +95,21 @@ struct Endpoint {
   std::string host;
   int port = 0;
 };
-// RedisOptions::sentinels parsed (invalid_options_error naming a bad entry).
+// "host:port" entries parsed (invalid_options_error naming a bad one, as `what`).
+std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int default_port, const char* what);
+// RedisOptions::sentinels parsed.
 std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o);
+// "host:port", "[v6]:port", or the socket path (port 0).
+std::string describe(const Endpoint& e);
+// A socket to `to` with connect_timeout and command_timeout set (connection_error naming `role`).
+ContextPtr open_connection(const Endpoint& to, const RedisOptions& o, const char* role);
+
+class Cluster;
 
 class Client {
 public:
   explicit Client(RedisOptions o);
+  ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
 
@@ -106,6 +117,10 @@ public:
   // Where new connections go: host:port, the socket path, or the master last discovered.
   [[nodiscard]] std::string where() const;
   [[nodiscard]] std::uint64_t discoveries() const noexcept { return discoveries_.load(); }
+  [[nodiscard]] RedisClientStats stats() const noexcept;
+  // Cluster mode: the slot of the key made of `parts` (the stores route by it); -1 otherwise.
+  [[nodiscard]] int slot_of(std::initializer_list<std::string_view> parts) const;
+  [[nodiscard]] bool clustered() const noexcept { return cluster_ != nullptr; }
 
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);
@@ -113,11 +128,18 @@ public:
   // resends. An error reply is returned, not thrown. `resend` says what a lost reply does. With
   // min_replica_acks, a reply that changed a record and was not acknowledged by enough replicas
   // throws durability_error.
-  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend);
+  // In cluster mode it runs on the master of `slot` (slot_of), following redirections.
+  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot = -1);
   // Many EVALSHA of `s` in one write and one read pass; NOSCRIPT ones are resent after a reload.
-  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend);
+  // In cluster mode slots[i] routes p[i]; each node's share is one pipeline, all nodes at once.
+  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, std::span<const int> slots,
+                                  const ReplyErrorHints& hints, Resend resend);
   // One plain command (`during` names it in I/O errors); an error reply is returned. Never resent.
-  ReplyPtr call(const Request& req, const char* during);
+  ReplyPtr call(const Request& req, const char* during, int slot = -1);
+  // This server only, no routing (what the cluster sends to one node); `asking` sends ASKING first.
+  ReplyPtr eval_at(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, bool asking);
+  ReplyPtr call_at(std::string_view req, const char* during, bool asking);
+  std::vector<ReplyPtr> eval_many_at(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend);
   // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip.
   ServerConfig server_config();
 
@@ -271,6 +293,7 @@ private:
   mutable std::atomic<bool> rediscover_;  // Sentinel mode: ask the sentinels before the next connection
   mutable std::atomic<std::uint64_t> discoveries_{0};
   Pool<Traits> pool_;
+  std::unique_ptr<Cluster> cluster_;  // cluster mode: the router over one Client per master
 };
 
 }  // namespace idem::detail::redis

@@ -127,8 +127,10 @@ private:
 // Formatted commands sent in one write, each still addressable (a NOSCRIPT reply resends some).
 class Pipeline {
 public:
-  void add(const Request& r) {
-    all_.append(r.view());
+  static constexpr bool asking = false;  // (an ASK redirection resends one request, never a pipeline)
+  void add(const Request& r) { add(r.view()); }
+  void add(std::string_view formatted) {
+    all_.append(formatted);
     ends_.push_back(all_.size());
   }
   [[nodiscard]] std::size_t size() const noexcept { return ends_.size(); }

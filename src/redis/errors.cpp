@@ -48,10 +48,13 @@ void throw_reply_error(std::string_view text, std::string_view what, const Reply
   // write, and a script that fails there writes nothing), and the replicas may come back.
   if (code == "NOREPLICAS")
     throw store_error(msg + "; the primary has fewer replicas than min-replicas-to-write, retry later", code, true);
-  if (code == "MOVED" || code == "ASK" || code == "CROSSSLOT")
-    throw store_error(msg + "; this is a Redis Cluster node, which " + std::string(hints.who) +
-                          " does not support yet",
+  if (code == "MOVED" || code == "ASK")
+    throw store_error(msg + "; this is a Redis Cluster node: connect with redis-cluster://host:port[,host:port...] "
+                            "(RedisOptions::cluster_nodes) so " + std::string(hints.who) + " routes by slot",
                       code, false);
+  if (code == "CROSSSLOT")
+    throw store_error(msg + "; the keys of one call hash to different cluster slots: give them one {hash tag}", code,
+                      false);
   if (text.find("max number of clients") != std::string_view::npos) throw connection_error(msg, code, true);
   throw store_error(msg, code, false);
 }

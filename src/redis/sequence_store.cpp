@@ -59,13 +59,18 @@ Command& entity_key(Command& cmd, const RedisOptions& o, std::string_view entity
   return cmd.joined({o.key_prefix, "seq:{", entity, "}"});
 }
 
+// The cluster slot of the entity's key (-1 off a cluster).
+int entity_slot(const Client& client, std::string_view entity) {
+  return client.slot_of({client.options().key_prefix, "seq:{", entity, "}"});
+}
+
 // complete_advance is a holder's step that recognises itself done (a retried one completes
 // nothing and its compare-and-set does not advance an equal sequence), so a lost reply is asked
 // again; sequence_advance is not resent: a second run would report "not advanced".
 template <class What>
-ReplyPtr run(Client& client, Script s, Command& cmd, const What& what) {
+ReplyPtr run(Client& client, Script s, Command& cmd, int slot, const What& what) {
   const Resend resend = s == Script::complete_advance ? Resend::same_holder : Resend::never;
-  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints, resend);
+  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints, resend, slot);
   throw_if_error(r.get(), sequence_hints, what);
   return r;
 }
@@ -75,7 +80,7 @@ ReplyPtr key_command(Client& client, const char* name, std::string_view entity, 
   auto what = [&] { return std::string(name) + " of the sequence of entity '" + printable(entity) + "'"; };
   Command cmd;
   entity_key(cmd.arg(name), client.options(), entity);
-  ReplyPtr r = client.call(cmd.format(), "to the command");
+  ReplyPtr r = client.call(cmd.format(), "to the command", entity_slot(client, entity));
   throw_if_error(r.get(), sequence_hints, what);
   if (r->type != expected && r->type != REDIS_REPLY_NIL) throw_bad_reply(what());
   return r;
@@ -102,7 +107,7 @@ AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t
   auto what = [&] { return "sequence_advance of entity '" + printable(entity) + "'"; };
   Command cmd = Client::evalsha(Script::sequence_advance, 1);
   entity_key(cmd, c.options(), entity).arg(seq);
-  ReplyPtr r = run(c, Script::sequence_advance, cmd, what);
+  ReplyPtr r = run(c, Script::sequence_advance, cmd, entity_slot(c, entity), what);
   expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
   return advance_result(r->element[0]->integer, reply_text(r->element[1]), entity, seq, what);
 }
@@ -119,10 +124,18 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
     throw usage_error("idem: this RedisSequenceStore and the RedisStore it completes for run on different "
                       "RedisClients; build the sequence store from the store (RedisSequenceStore{store})");
   auto what = [&] { return "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'"; };
+  // One script, two keys: on a cluster they must share a slot, which the entity's hash tag in the
+  // key gives. Refused here rather than answered CROSSSLOT by the server.
+  const int slot = entity_slot(c, entity);
+  if (slot >= 0 && c.slot_of({c.options().key_prefix, key}) != slot)
+    throw usage_error("idem: on a Redis Cluster the key '" + printable(key) + "' and the sequence of entity '" +
+                      printable(entity) + "' must hash to one slot (one script writes both): put the entity's hash tag "
+                      "in the key, as '{" + printable(entity) + "}:" + printable(key) +
+                      "' (a key's first {...} decides its slot); or complete and advance in two steps");
   Command cmd = Client::evalsha(Script::complete_advance, 2);
   cmd.joined({c.options().key_prefix, key});
   entity_key(cmd, c.options(), entity).arg(h.fence).token(h.token).arg(result).arg(retention.count()).arg(seq);
-  ReplyPtr r = run(c, Script::complete_advance, cmd, what);
+  ReplyPtr r = run(c, Script::complete_advance, cmd, slot < 0 ? -1 : slot, what);
   expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
   CompleteAdvanceResult out;
   if (r->element[0]->integer != 1) return out;  // lease lost: the script wrote nothing

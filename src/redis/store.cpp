@@ -4,6 +4,8 @@
 #include "idem/redis/store.hpp"
 
 #include <algorithm>
+#include <optional>
+#include <span>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -144,7 +146,7 @@ Resend resend_of(Script s) { return s == Script::inspect ? Resend::never : Resen
 ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
   ReplyPtr r;
   try {
-    r = client.eval(s, cmd.format(), store_hints, resend_of(s));
+    r = client.eval(s, cmd.format(), store_hints, resend_of(s), client.slot_of({client.options().key_prefix, key}));
   } catch (const outcome_unknown_error& e) {  // the client knows the script, not the key
     throw outcome_unknown_error(std::string(e.what()) + " (key '" + printable(key) + "')", e.code());
   } catch (const durability_error& e) {
@@ -156,33 +158,65 @@ ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
 }
 
 // A batch of `items`: one EVALSHA of `s` per batch_chunk of them, pipelined. `key_of(item)` is the
-// idempotency key, `encode(cmd, from, n)` adds the arguments after the keys, `parse(reply, item)`
-// reads one element of a run's reply.
+// idempotency key, `encode(cmd, idx)` adds the arguments after the keys for the items at `idx`,
+// `parse(reply, item)` reads one element of a run's reply. On a cluster every script's keys
+// share one slot: the items are grouped by slot first (each group in input order), and the
+// client sends each master its share.
 template <class Out, class Item, class KeyOf, class Encode, class Parse>
 std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items, const KeyOf& key_of,
                            const Encode& encode, const Parse& parse) {
   const std::string_view name = script(s).name;
+  const std::string& prefix = client.options().key_prefix;
+  std::vector<std::size_t> order(items.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::vector<int> slot_of_item;
+  if (client.clustered()) {
+    slot_of_item.resize(items.size());
+    for (std::size_t i = 0; i < items.size(); ++i) slot_of_item[i] = client.slot_of({prefix, key_of(items[i])});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](std::size_t a, std::size_t b) { return slot_of_item[a] < slot_of_item[b]; });
+  }
+  // Runs: [from, from + n) of `order`, one slot each on a cluster.
+  struct Run {
+    std::size_t from, n;
+  };
+  std::vector<Run> runs;
+  std::vector<int> run_slots;
+  for (std::size_t from = 0; from < order.size();) {
+    std::size_t n = 1;
+    while (from + n < order.size() && n < batch_chunk &&
+           (slot_of_item.empty() || slot_of_item[order[from + n]] == slot_of_item[order[from]]))
+      ++n;
+    runs.push_back({from, n});
+    run_slots.push_back(slot_of_item.empty() ? -1 : slot_of_item[order[from]]);
+    from += n;
+  }
   Pipeline pipeline;
-  for (std::size_t from = 0; from < items.size(); from += batch_chunk) {
-    const std::size_t n = std::min(batch_chunk, items.size() - from);
-    Command cmd = Client::evalsha(s, n);
-    for (std::size_t i = from; i < from + n; ++i) cmd.joined({client.options().key_prefix, key_of(items[i])});
-    encode(cmd, from, n);
+  for (const Run& run : runs) {
+    Command cmd = Client::evalsha(s, run.n);
+    const std::span<const std::size_t> idx(order.data() + run.from, run.n);
+    for (std::size_t i : idx) cmd.joined({prefix, key_of(items[i])});
+    encode(cmd, idx);
     pipeline.add(cmd.format());
   }
-  std::vector<ReplyPtr> replies = client.eval_many(s, pipeline, store_hints, resend_of(s));
-  std::vector<Out> out;
-  out.reserve(items.size());
+  std::vector<ReplyPtr> replies = client.eval_many(s, pipeline, run_slots, store_hints, resend_of(s));
+  std::vector<std::optional<Out>> placed(items.size());
   for (std::size_t c = 0; c < replies.size(); ++c) {
     const redisReply* r = replies[c].get();
-    const std::size_t from = c * batch_chunk, n = std::min(batch_chunk, items.size() - from);
-    const std::string_view first = key_of(items[from]);
+    const Run& run = runs[c];
+    const std::string_view first = key_of(items[order[run.from]]);
     throw_if_error(r, store_hints, [&] {
-      return std::string(name) + " of " + std::to_string(n) + " keys from '" + printable(first) + "'";
+      return std::string(name) + " of " + std::to_string(run.n) + " keys from '" + printable(first) + "'";
     });
-    if (r->type != REDIS_REPLY_ARRAY || r->elements != n) bad_reply(name, first);
-    for (std::size_t i = 0; i < n; ++i) out.push_back(parse(r->element[i], items[from + i]));
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != run.n) bad_reply(name, first);
+    for (std::size_t i = 0; i < run.n; ++i) {
+      const std::size_t item = order[run.from + i];
+      placed[item] = parse(r->element[i], items[item]);
+    }
   }
+  std::vector<Out> out;
+  out.reserve(items.size());
+  for (auto& o : placed) out.push_back(std::move(*o));
   return out;
 }
 
@@ -279,7 +313,7 @@ std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string
   const std::string_view owner = p.owner.substr(0, 255);
   std::vector<AcquireResult> out = run_batch<AcquireResult>(
       impl(), Script::acquire_batch, keys, [](std::string_view k) { return k; },
-      [&](Command& cmd, std::size_t, std::size_t) {
+      [&](Command& cmd, std::span<const std::size_t>) {
         cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(owner);
       },
       [&](const redisReply* r, std::string_view k) { return parse_acquire(r, k, p.token); });
@@ -300,9 +334,9 @@ std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem
   for (const CompleteItem& it : items) detail::check_holder(it.key, it.holder);
   return run_batch<WriteStatus>(
       impl(), Script::complete_batch, items, [](const CompleteItem& it) { return it.key; },
-      [&](Command& cmd, std::size_t from, std::size_t n) {
+      [&](Command& cmd, std::span<const std::size_t> idx) {
         cmd.arg(retention.count());
-        for (std::size_t i = from; i < from + n; ++i) cmd.arg(items[i].holder.fence).token(items[i].holder.token).arg(items[i].result);
+        for (std::size_t i : idx) cmd.arg(items[i].holder.fence).token(items[i].holder.token).arg(items[i].result);
       },
       [](const redisReply* r, const CompleteItem& it) { return parse_write(r, "complete_batch", it.key); });
 }

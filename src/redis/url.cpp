@@ -85,6 +85,22 @@ HostPort parse_host_port(std::string_view hostport, int default_port, const std:
   return {std::string(host), port.empty() ? default_port : parse_int(port, 1, 65535, "port", shown)};
 }
 
+// "h:p,h:p,...": each as "host:port" ("[v6]:port"), at least one.
+std::vector<std::string> host_list(std::string_view list, int default_port, const std::string& shown) {
+  std::vector<std::string> out;
+  while (!list.empty()) {
+    const auto comma = list.find(',');
+    const HostPort hp = parse_host_port(list.substr(0, comma), default_port, shown);
+    out.push_back(hp.host.find(':') != std::string::npos ? "[" + hp.host + "]:" + std::to_string(hp.port)
+                                                         : hp.host + ":" + std::to_string(hp.port));
+    list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
+    if (comma != std::string_view::npos && list.empty())
+      throw invalid_options_error("idem: bad Redis URL '" + shown + "': a ',' with no host after it");
+  }
+  if (out.empty()) throw invalid_options_error("idem: bad Redis URL '" + shown + "': no host");
+  return out;
+}
+
 }  // namespace
 
 RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
@@ -96,10 +112,11 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
   const std::string_view scheme = url.substr(0, scheme_end);
   std::string_view rest = url.substr(scheme_end + 3);
   if (scheme == "rediss") bad("TLS (rediss://) is not supported: idem's hiredis is built without TLS");
-  if (scheme != "redis" && scheme != "unix" && scheme != "redis-sentinel")
-    bad("unknown scheme '" + printable(scheme) + "'; use redis://, unix:// or redis-sentinel://");
+  if (scheme != "redis" && scheme != "unix" && scheme != "redis-sentinel" && scheme != "redis-cluster")
+    bad("unknown scheme '" + printable(scheme) + "'; use redis://, unix://, redis-cluster:// or redis-sentinel://");
   const bool unix_scheme = scheme == "unix";
   const bool sentinel_scheme = scheme == "redis-sentinel";
+  const bool cluster_scheme = scheme == "redis-cluster";
 
   std::string_view query;
   if (const auto q = rest.find('?'); q != std::string_view::npos) {
@@ -144,18 +161,17 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
     if (path.empty() || path.front() != '/') bad("a unix:// URL needs an absolute socket path, as unix:///run/redis.sock");
     o.unix_socket = percent_decode(path, shown);
     o.sentinels.clear();
+    o.cluster_nodes.clear();
+  } else if (cluster_scheme) {
+    // redis-cluster://h:p[,h:p...]: seeds; the cluster has one keyspace (db 0) and no path.
+    o.cluster_nodes = host_list(hostport, 6379, shown);
+    if (!path.empty() && path != "/") bad("a redis-cluster:// URL has no path: a cluster has database 0 only");
+    o.unix_socket.clear();
+    o.sentinels.clear();
   } else if (sentinel_scheme) {
     // redis-sentinel://h:p[,h:p...]/master-name[/db]: 26379 is Sentinel's own default port.
-    o.sentinels.clear();
-    while (!hostport.empty()) {
-      const auto comma = hostport.find(',');
-      const HostPort hp = parse_host_port(hostport.substr(0, comma), 26379, shown);
-      o.sentinels.push_back(hp.host.find(':') != std::string::npos ? "[" + hp.host + "]:" + std::to_string(hp.port)
-                                                                   : hp.host + ":" + std::to_string(hp.port));
-      hostport = comma == std::string_view::npos ? std::string_view{} : hostport.substr(comma + 1);
-      if (comma != std::string_view::npos && hostport.empty()) bad("a ',' with no sentinel after it");
-    }
-    if (o.sentinels.empty()) bad("no sentinel host");
+    o.sentinels = host_list(hostport, 26379, shown);
+    o.cluster_nodes.clear();
     const std::string_view names = path.empty() ? path : path.substr(1);
     const auto slash = names.find('/');
     const std::string_view name = names.substr(0, slash);
@@ -170,6 +186,7 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
     o.port = hp.port;
     o.unix_socket.clear();
     o.sentinels.clear();
+    o.cluster_nodes.clear();
     if (!path.empty() && path != "/") db = parse_int(path.substr(1), 0, 1'000'000, "database index", shown);
   }
   while (!query.empty()) {
@@ -213,6 +230,14 @@ void check_options(const RedisOptions& o) {
   if (o.command_timeout <= millis{0}) bad("command_timeout must be positive, got " + ms(o.command_timeout));
   check_pool_options(o.pool, "RedisOptions");
   if (!o.user.empty() && o.password.empty()) bad("user '" + printable(o.user) + "' is set without a password");
+  if (o.max_redirects < 1 || o.max_redirects > 100)
+    bad("max_redirects " + std::to_string(o.max_redirects) + " is not in 1..100");
+  if (!o.cluster_nodes.empty()) {
+    if (!o.sentinels.empty())
+      bad("cluster_nodes and sentinels are both set; a Redis Cluster fails over by itself, use cluster_nodes alone");
+    if (o.db != 0) bad("db " + std::to_string(o.db) + " with cluster_nodes: a Redis Cluster has database 0 only");
+    (void)endpoints(o.cluster_nodes, 6379, "cluster node");
+  }
   if (!o.sentinels.empty()) {
     if (o.sentinel_master.empty())
       bad("sentinels are set but sentinel_master is empty; set it to the name in `sentinel monitor <name> ...`");
@@ -240,19 +265,21 @@ void check_options(const RedisOptions& o) {
 
 }  // namespace
 
-std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o) {
+std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int default_port, const char* what) {
   std::vector<Endpoint> out;
-  for (const std::string& s : o.sentinels) {
+  for (const std::string& s : list) {
     try {
-      const HostPort hp = parse_host_port(s, 26379, s);
+      const HostPort hp = parse_host_port(s, default_port, s);
       out.push_back({hp.host, hp.port});
     } catch (const invalid_options_error&) {
-      throw invalid_options_error("idem: RedisOptions: sentinel '" + printable(s) +
+      throw invalid_options_error("idem: RedisOptions: " + std::string(what) + " '" + printable(s) +
                                   "' is not host:port (IPv6 as [addr]:port, port 1..65535)");
     }
   }
   return out;
 }
+
+std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o) { return endpoints(o.sentinels, 26379, "sentinel"); }
 
 RedisOptions resolve_options(RedisOptions o) {
   if (!o.url.empty()) {

@@ -12,6 +12,15 @@ namespace idem {
 
 class RedisClient;
 
+/// What a RedisClient has followed since it was built (each counter only grows).
+struct RedisClientStats {
+  std::uint64_t discoveries = 0;    ///< Sentinel: masters looked up through the sentinels
+  std::uint64_t map_refreshes = 0;  ///< Cluster: slot maps read (CLUSTER SLOTS)
+  std::uint64_t moved = 0;          ///< Cluster: MOVED redirections followed
+  std::uint64_t ask = 0;            ///< Cluster: ASK redirections followed
+  std::uint64_t tryagain = 0;       ///< Cluster: TRYAGAIN answers retried (a slot in migration)
+};
+
 namespace detail::redis {
 class Client;
 
@@ -68,8 +77,11 @@ public:
   /// The options in force (URL applied).
   [[nodiscard]] const RedisOptions& options() const noexcept;
   /// Where new connections go now: "host:port" or the socket path; in Sentinel mode the master
-  /// last discovered ("" before the first discovery).
+  /// last discovered ("" before the first discovery); in cluster mode the masters of the slot
+  /// map, comma-separated.
   [[nodiscard]] std::string address() const;
+  /// Redirections and lookups followed so far.
+  [[nodiscard]] RedisClientStats stats() const noexcept;
   /// Times the master was (re)discovered through the sentinels (0 outside Sentinel mode).
   [[nodiscard]] std::uint64_t discoveries() const noexcept;
   /// The server's `maxmemory-policy`, or "" when it cannot be read (e.g. CONFIG denied by ACL).

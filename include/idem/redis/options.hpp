@@ -15,11 +15,12 @@ namespace idem {
 /// Options of RedisClient (and of the stores that build their own). Durations in milliseconds;
 /// docs/redis.md explains each choice.
 struct RedisOptions {
-  /// `redis://[user[:password]@]host[:port][/db]`, `unix://[user[:password]@]/path[?db=N]` or
+  /// `redis://[user[:password]@]host[:port][/db]`, `unix://[user[:password]@]/path[?db=N]`,
+  /// `redis-cluster://[user[:password]@]host:port[,host:port...]` or
   /// `redis-sentinel://[user[:password]@]host:port[,host:port...]/master-name[/db]` (user and
   /// password percent-decoded: the data nodes'; a sentinel URL may add `?sentinel_user=U&
   /// sentinel_password=P`); when set it overrides host, port, unix_socket, user, password, db and
-  /// the sentinel fields. Empty = use those fields. `rediss://` is refused: no TLS support.
+  /// the cluster and sentinel fields. Empty = use those fields. `rediss://` is refused: no TLS support.
   std::string url;
   /// Server host name or address, used when unix_socket is empty.
   std::string host = "127.0.0.1";
@@ -46,6 +47,13 @@ struct RedisOptions {
   /// `maxmemory-policy` other than `noeviction`: it could evict live idempotency records, and their
   /// messages would run again. true = accept such a server anyway, with an observer warning.
   bool unsafe_allow_eviction = false;
+  /// Redis Cluster seed nodes as "host:port" (any node of the cluster; IPv6 as "[addr]:port");
+  /// non-empty = cluster mode: the slot map is read from them (CLUSTER SLOTS), every script runs
+  /// on the master of its key's slot, MOVED/ASK are followed, db must be 0 (docs/redis.md, "Cluster").
+  std::vector<std::string> cluster_nodes;
+  /// Redirections (MOVED, ASK, TRYAGAIN) one call follows before it gives up with a retryable
+  /// store_error (code `REDIRECTS`); 1..100.
+  int max_redirects = 5;
   /// Sentinels as "host:port" (IPv6 as "[addr]:port"); non-empty = Sentinel mode: the master of
   /// `sentinel_master` is asked of them (host, port and unix_socket are then unused), its role is
   /// checked on every new connection, and a broken connection or a READONLY/LOADING/MASTERDOWN
@@ -69,7 +77,7 @@ struct RedisOptions {
   std::shared_ptr<Observer> observer;
 };
 
-/// Parses a `redis://`, `unix://` or `redis-sentinel://` URL onto `base`; throws invalid_options_error naming the flaw.
+/// Parses a `redis://`, `unix://`, `redis-cluster://` or `redis-sentinel://` URL onto `base`; throws invalid_options_error naming the flaw.
 RedisOptions parse_redis_url(std::string_view url, RedisOptions base = {});
 
 }  // namespace idem

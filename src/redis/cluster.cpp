@@ -1,0 +1,372 @@
+// Redis Cluster routing (cluster.hpp).
+
+#include "cluster.hpp"
+
+#include <algorithm>
+#include <charconv>
+#include <exception>
+#include <future>
+#include <thread>
+#include <utility>
+
+#include "idem/core/error.hpp"
+
+namespace idem::detail::redis {
+
+namespace {
+
+bool parse_number(std::string_view s, int lo, int hi, int& out) {
+  int v = 0;
+  const auto res = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (s.empty() || res.ec != std::errc{} || res.ptr != s.data() + s.size() || v < lo || v > hi) return false;
+  out = v;
+  return true;
+}
+
+[[noreturn]] void bad_slots(const std::string& asked, std::string_view why) {
+  throw store_error("idem: unexpected CLUSTER SLOTS reply from " + asked + ": " + std::string(why) +
+                        "; is it a Redis Cluster node (cluster-enabled yes)?",
+                    "", false);
+}
+
+}  // namespace
+
+std::optional<Redirect> parse_redirect(std::string_view text, std::string_view fallback_host) {
+  Redirect r;
+  if (text.substr(0, 6) == "MOVED ") {
+    text.remove_prefix(6);
+  } else if (text.substr(0, 4) == "ASK ") {
+    r.ask = true;
+    text.remove_prefix(4);
+  } else {
+    return std::nullopt;
+  }
+  const auto space = text.find(' ');
+  if (space == std::string_view::npos || !parse_number(text.substr(0, space), 0, slot_count - 1, r.slot))
+    return std::nullopt;
+  std::string_view addr = text.substr(space + 1);
+  if (const auto end = addr.find_first_of(" \r\n"); end != std::string_view::npos) addr = addr.substr(0, end);
+  const auto colon = addr.rfind(':');
+  if (colon == std::string_view::npos || !parse_number(addr.substr(colon + 1), 1, 65535, r.to.port))
+    return std::nullopt;
+  std::string_view host = addr.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  r.to.host = std::string(host.empty() ? fallback_host : host);
+  return r;
+}
+
+std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked_host) {
+  if (r->type != REDIS_REPLY_ARRAY) bad_slots(asked_host, "not an array");
+  std::vector<SlotRange> out;
+  for (std::size_t i = 0; i < r->elements; ++i) {
+    const redisReply* e = r->element[i];
+    if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 || e->element[0]->type != REDIS_REPLY_INTEGER ||
+        e->element[1]->type != REDIS_REPLY_INTEGER || e->element[2]->type != REDIS_REPLY_ARRAY ||
+        e->element[2]->elements < 2 || e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
+        e->element[2]->element[1]->type != REDIS_REPLY_INTEGER)
+      bad_slots(asked_host, "a range is not [first, last, [host, port, ...], ...]");
+    SlotRange range;
+    range.first = static_cast<int>(e->element[0]->integer);
+    range.last = static_cast<int>(e->element[1]->integer);
+    if (range.first < 0 || range.last >= slot_count || range.first > range.last)
+      bad_slots(asked_host, "a range outside 0..16383");
+    const redisReply* node = e->element[2];
+    std::string host = std::string(reply_text(node->element[0]));
+    // A node that does not know its own address announces "" (or "?" with cluster-preferred-endpoint-type unknown).
+    if (host.empty() || host == "?") host = asked_host;
+    const long long port = node->element[1]->integer;
+    if (port < 1 || port > 65535) bad_slots(asked_host, "a port outside 1..65535");
+    range.master = {std::move(host), static_cast<int>(port)};
+    out.push_back(std::move(range));
+  }
+  return out;
+}
+
+Cluster::Cluster(const RedisOptions& o)
+    : node_options_(o), seeds_(endpoints(o.cluster_nodes, 6379, "cluster node")), max_redirects_(o.max_redirects) {
+  node_options_.cluster_nodes.clear();
+  node_options_.url.clear();
+  node_options_.unix_socket.clear();
+  owner_.fill(-1);
+  refresh();
+  std::vector<Endpoint> masters;
+  int uncovered = 0, first_uncovered = -1;
+  {
+    std::lock_guard lock(mu_);
+    masters = masters_;
+    for (int s = 0; s < slot_count; ++s)
+      if (owner_[static_cast<std::size_t>(s)] < 0 && uncovered++ == 0) first_uncovered = s;
+  }
+  if (uncovered > 0)
+    throw store_error("idem: " + std::to_string(uncovered) + " of the 16384 slots of the Redis Cluster have no master (slot " +
+                          std::to_string(first_uncovered) +
+                          " the first); is the cluster formed and ok (CLUSTER INFO: cluster_state)? retry later",
+                      "CLUSTERDOWN", true);
+  for (const Endpoint& m : masters) (void)node_at(m);  // every master reachable, its scripts loaded
+}
+
+void Cluster::refresh() {
+  stale_.store(false);  // before asking: a failure meanwhile marks it again
+  std::vector<Endpoint> candidates;
+  {
+    std::lock_guard lock(mu_);
+    candidates = masters_;
+  }
+  candidates.insert(candidates.end(), seeds_.begin(), seeds_.end());
+  std::string why;
+  std::vector<std::string> asked;
+  const Request ask = Command().arg("CLUSTER").arg("SLOTS").format();
+  for (const Endpoint& at : candidates) {
+    const std::string name = describe(at);
+    if (std::find(asked.begin(), asked.end(), name) != asked.end()) continue;  // a seed that is a known master
+    asked.push_back(name);
+    try {
+      ReplyPtr r = node_at(at)->call(ask, "to CLUSTER SLOTS", -1);
+      if (is_error(r.get())) {
+        why += "; " + name + ": " + std::string(reply_text(r.get()));
+        continue;
+      }
+      std::vector<SlotRange> ranges = parse_slots(r.get(), at.host);
+      if (ranges.empty()) {
+        why += "; " + name + ": no slot assigned";
+        continue;
+      }
+      std::array<std::int16_t, slot_count> owner;
+      owner.fill(-1);
+      std::vector<Endpoint> masters;
+      for (const SlotRange& range : ranges) {
+        auto it = std::find_if(masters.begin(), masters.end(), [&](const Endpoint& m) {
+          return m.host == range.master.host && m.port == range.master.port;
+        });
+        if (it == masters.end()) it = masters.insert(masters.end(), range.master);
+        std::fill(owner.begin() + range.first, owner.begin() + range.last + 1,
+                  static_cast<std::int16_t>(it - masters.begin()));
+      }
+      std::lock_guard lock(mu_);
+      owner_ = owner;
+      masters_ = std::move(masters);
+      last_refresh_ = std::chrono::steady_clock::now();
+      refreshes_.fetch_add(1);
+      return;
+    } catch (const error& e) {
+      why += "; " + name + ": " + e.what();
+    }
+  }
+  stale_.store(true);
+  throw connection_error("idem: no Redis Cluster node answered CLUSTER SLOTS" + why +
+                             "; are the nodes in cluster_nodes running? retry later",
+                         "CLUSTER", true);
+}
+
+void Cluster::refresh_if_stale() {
+  if (!stale_.load()) return;
+  // One thread reads the map; the others go on with the one they have (a MOVED already fixed the
+  // slot that sent them here).
+  std::unique_lock busy(refresh_mu_, std::try_to_lock);
+  if (!busy) return;
+  {
+    std::lock_guard lock(mu_);
+    if (std::chrono::steady_clock::now() - last_refresh_ < std::chrono::milliseconds(50)) return;
+  }
+  refresh();
+}
+
+std::shared_ptr<Client> Cluster::node_at(const Endpoint& at) {
+  const std::string name = describe(at);
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = nodes_.find(name); it != nodes_.end()) return it->second;
+  }
+  // Built outside the lock: it connects and loads the scripts (a dead node takes connect_timeout).
+  RedisOptions o = node_options_;
+  o.host = at.host;
+  o.port = at.port;
+  auto node = std::make_shared<Client>(std::move(o));
+  std::lock_guard lock(mu_);
+  return nodes_.try_emplace(name, std::move(node)).first->second;
+}
+
+std::shared_ptr<Client> Cluster::node_of(int slot) {
+  if (slot < 0 || slot >= slot_count)
+    throw usage_error("idem: internal: a Redis Cluster call without its key's slot");
+  refresh_if_stale();
+  Endpoint at;
+  {
+    std::lock_guard lock(mu_);
+    const int i = owner_[static_cast<std::size_t>(slot)];
+    if (i >= 0) at = masters_[static_cast<std::size_t>(i)];
+  }
+  if (at.port == 0) {
+    suspect();
+    throw store_error("idem: no master serves slot " + std::to_string(slot) +
+                          " in the Redis Cluster's map (a failover under way?); retry later",
+                      "CLUSTERDOWN", true);
+  }
+  return node_at(at);
+}
+
+template <class Send>
+ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send) {
+  std::optional<Endpoint> ask;
+  for (int hop = 1;; ++hop) {
+    ReplyPtr r;
+    try {
+      std::shared_ptr<Client> node = ask ? node_at(*ask) : node_of(slot);
+      r = send(*node, ask.has_value());
+    } catch (const store_error& e) {
+      if (e.code() != "POOL") suspect();  // a node down or gone: the map may be out of date
+      throw;
+    }
+    if (!is_error(r.get())) return r;
+    const std::string_view text = reply_text(r.get());
+    const std::string_view code = error_code(text);
+    const std::optional<Redirect> to = parse_redirect(text);
+    if (!to && code != "TRYAGAIN") {
+      if (code == "CLUSTERDOWN") suspect();
+      return r;  // the caller maps it
+    }
+    if (hop >= max_redirects_)
+      throw store_error("idem: the Redis Cluster redirected " + std::string(what) + " of slot " + std::to_string(slot) +
+                            " " + std::to_string(hop) + " times (RedisOptions::max_redirects), the last answer: " +
+                            std::string(text) + "; a slot is moving or the map is inconsistent: retry later",
+                        "REDIRECTS", true);
+    if (!to) {
+      // A key of a multi-key call moved while another did not (a slot in migration): it ran
+      // nothing; once the keys are together it will run.
+      tryagain_.fetch_add(1);
+      ask.reset();
+      std::this_thread::sleep_for(std::min(std::chrono::milliseconds(5 << std::min(hop, 5)), std::chrono::milliseconds(100)));
+      continue;
+    }
+    if (to->ask) {
+      ask_.fetch_add(1);
+      ask = to->to;  // this call only: the slot is still the old master's
+      continue;
+    }
+    ask.reset();
+    moved(*to);
+  }
+}
+
+void Cluster::moved(const Redirect& to) {
+  moved_.fetch_add(1);
+  {
+    std::lock_guard lock(mu_);
+    auto it = std::find_if(masters_.begin(), masters_.end(),
+                           [&](const Endpoint& m) { return m.host == to.to.host && m.port == to.to.port; });
+    if (it == masters_.end()) it = masters_.insert(masters_.end(), to.to);
+    owner_[static_cast<std::size_t>(to.slot)] = static_cast<std::int16_t>(it - masters_.begin());
+  }
+  suspect();  // slots move together: read the whole map again (at most every 50 ms)
+}
+
+ReplyPtr Cluster::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot) {
+  return routed(slot, script(s).name,
+                [&](Client& node, bool asking) { return node.eval_at(s, req.view(), hints, resend, asking); });
+}
+
+ReplyPtr Cluster::call(const Request& req, const char* during, int slot) {
+  return routed(slot, "the command", [&](Client& node, bool asking) { return node.call_at(req.view(), during, asking); });
+}
+
+std::vector<ReplyPtr> Cluster::eval_many(Script s, const Pipeline& p, std::span<const int> slots,
+                                         const ReplyErrorHints& hints, Resend resend) {
+  if (slots.size() != p.size()) throw usage_error("idem: internal: a Redis Cluster batch without a slot per call");
+  // Each master's share is one pipeline; the shares go to their masters at once (one thread per
+  // master beyond the first), so a batch costs the slowest node's round trip, not their sum.
+  struct Share {
+    std::shared_ptr<Client> node;
+    std::vector<std::size_t> calls;
+  };
+  std::vector<Share> shares;
+  try {
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      std::shared_ptr<Client> node = node_of(slots[i]);
+      auto it = std::find_if(shares.begin(), shares.end(), [&](const Share& sh) { return sh.node == node; });
+      if (it == shares.end()) it = shares.insert(shares.end(), Share{std::move(node), {}});
+      it->calls.push_back(i);
+    }
+  } catch (const store_error& e) {
+    if (e.code() != "POOL") suspect();
+    throw;
+  }
+  std::vector<ReplyPtr> out(p.size());
+  auto run = [&](const Share& sh) {
+    Pipeline part;
+    for (std::size_t i : sh.calls) part.add(p[i]);
+    std::vector<ReplyPtr> r = sh.node->eval_many_at(s, part, hints, resend);
+    for (std::size_t k = 0; k < sh.calls.size(); ++k) out[sh.calls[k]] = std::move(r[k]);
+  };
+  std::vector<std::future<void>> others;
+  std::exception_ptr failed;
+  for (std::size_t k = 1; k < shares.size(); ++k) others.push_back(std::async(std::launch::async, run, std::cref(shares[k])));
+  try {
+    if (!shares.empty()) run(shares[0]);
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  for (auto& f : others) try {
+      f.get();
+    } catch (...) {
+      if (!failed) failed = std::current_exception();
+    }
+  if (failed) {
+    try {
+      std::rethrow_exception(failed);
+    } catch (const store_error& e) {
+      if (e.code() != "POOL") suspect();
+      throw;
+    }
+  }
+  // A call redirected (its slot moved, or is moving) ran nothing: it is sent again alone.
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const redisReply* r = out[i].get();
+    if (!is_error(r)) continue;
+    const std::optional<Redirect> to = parse_redirect(reply_text(r));
+    if (!to && error_code(reply_text(r)) != "TRYAGAIN") continue;
+    if (to && !to->ask) moved(*to);
+    out[i] = routed(slots[i], script(s).name,
+                    [&](Client& node, bool asking) { return node.eval_at(s, p[i], hints, resend, asking); });
+  }
+  return out;
+}
+
+ServerConfig Cluster::server_config() {
+  std::vector<Endpoint> masters;
+  {
+    std::lock_guard lock(mu_);
+    masters = masters_;
+  }
+  ServerConfig worst;
+  bool first = true;
+  for (const Endpoint& m : masters) {
+    ServerConfig c = node_at(m)->server_config();
+    if (!c.problem.empty()) return c;
+    if (first || (worst.policy == "noeviction" && c.policy != "noeviction") ||
+        (c.policy != "noeviction" && c.maxmemory > 0 && worst.maxmemory == 0)) {
+      const std::uint64_t bulk = first ? c.max_bulk_len : std::min(worst.max_bulk_len, c.max_bulk_len);
+      worst = c;
+      worst.max_bulk_len = bulk;
+    } else {
+      worst.max_bulk_len = std::min(worst.max_bulk_len, c.max_bulk_len);
+    }
+    first = false;
+  }
+  return worst;
+}
+
+std::string Cluster::masters() const {
+  std::lock_guard lock(mu_);
+  std::string out;
+  for (const Endpoint& m : masters_) out += (out.empty() ? "" : ",") + describe(m);
+  return out;
+}
+
+void Cluster::add_stats(RedisClientStats& s) const noexcept {
+  s.map_refreshes = refreshes_.load();
+  s.moved = moved_.load();
+  s.ask = ask_.load();
+  s.tryagain = tryagain_.load();
+}
+
+}  // namespace idem::detail::redis

@@ -1,0 +1,99 @@
+#pragma once
+// Internal to idem_redis: Redis Cluster routing for Client. The slot map (CLUSTER SLOTS), one
+// Client per master (each a pool to one server, with the scripts loaded there), MOVED, ASK and
+// TRYAGAIN followed a bounded number of times, the map read again after a redirection or a lost
+// connection, and batches split by node, every node's share sent at once.
+//
+// hiredis 0.14 has no cluster support and Debian 12 packages no cluster client, so this is ours;
+// its parsing is pure (parse_redirect, parse_slots) and tested alone (redis_cluster_unit_test).
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "client.hpp"
+
+namespace idem::detail::redis {
+
+inline constexpr int slot_count = 16384;
+
+// A redirection error reply: "MOVED 3999 127.0.0.1:6381" or "ASK 3999 127.0.0.1:6381".
+struct Redirect {
+  bool ask = false;
+  int slot = 0;
+  Endpoint to;
+};
+// The redirection an error reply's text names, or nothing when it is not one. An empty host
+// (a node that does not know its own address, "MOVED 1 :6380") is `fallback_host`.
+std::optional<Redirect> parse_redirect(std::string_view error_text, std::string_view fallback_host = "127.0.0.1");
+
+// One slot range and its master, from CLUSTER SLOTS.
+struct SlotRange {
+  int first = 0;
+  int last = 0;
+  Endpoint master;
+};
+// The ranges of a CLUSTER SLOTS reply; an empty or "?" host is `asked_host` (the node that was
+// asked). Throws store_error on a reply of another shape.
+std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked_host);
+
+class Cluster {
+public:
+  // Reads the slot map from the first seed that answers and connects to every master, so a
+  // wrong address, password or a cluster that is not ok fails here.
+  explicit Cluster(const RedisOptions& o);
+  Cluster(const Cluster&) = delete;
+  Cluster& operator=(const Cluster&) = delete;
+
+  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot);
+  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, std::span<const int> slots, const ReplyErrorHints& hints,
+                                  Resend resend);
+  ReplyPtr call(const Request& req, const char* during, int slot);
+  // The settings of every master, the least safe first (what RedisStore checks at construction).
+  ServerConfig server_config();
+  // The masters of the current map, "host:port,host:port,...".
+  [[nodiscard]] std::string masters() const;
+  void add_stats(RedisClientStats& s) const noexcept;
+
+private:
+  // The client of the master that owns `slot` (the map read again first when it is in doubt).
+  std::shared_ptr<Client> node_of(int slot);
+  // The client for the node at `at`, built on first use.
+  std::shared_ptr<Client> node_at(const Endpoint& at);
+  // Reads CLUSTER SLOTS from a known master, else a seed; throws when none answers.
+  void refresh();
+  void refresh_if_stale();
+  // Sends one request to the owner of `slot` through `send(client, asking)` until it is not
+  // redirected, at most max_redirects times.
+  template <class Send>
+  ReplyPtr routed(int slot, std::string_view what, const Send& send);
+  // A MOVED answer: the slot's new master, and the whole map read again soon.
+  void moved(const Redirect& to);
+  // A node failed under a call: the map may be out of date (a failover), read it again.
+  void suspect() noexcept { stale_.store(true); }
+
+  RedisOptions node_options_;  // a node's options: the cluster's, with no seeds and its own address
+  std::vector<Endpoint> seeds_;
+  int max_redirects_;
+
+  std::mutex refresh_mu_;  // one thread reads the map at a time
+  mutable std::mutex mu_;                                     // guards everything below but the atomics
+  std::array<std::int16_t, slot_count> owner_{};              // index into masters_; -1 = no master
+  std::vector<Endpoint> masters_;
+  std::unordered_map<std::string, std::shared_ptr<Client>> nodes_;  // by describe(endpoint)
+  std::chrono::steady_clock::time_point last_refresh_{};
+
+  std::atomic<bool> stale_{false};
+  std::atomic<std::uint64_t> refreshes_{0}, moved_{0}, ask_{0}, tryagain_{0};
+};
+
+}  // namespace idem::detail::redis
