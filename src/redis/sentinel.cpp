@@ -1,0 +1,97 @@
+// Sentinel mode of the Redis client (client.hpp): the master asked of the sentinels, and asked
+// again, with a new pool generation, whenever the client doubts it (suspect()).
+
+#include <charconv>
+#include <string>
+
+#include "client.hpp"
+#include "idem/core/error.hpp"
+
+namespace idem::detail::redis {
+
+std::pair<Endpoint, std::uint64_t> Client::master() const {
+  std::lock_guard lock(master_mu_);
+  if (rediscover_.load()) {
+    // Cleared before asking, so a failure that happens meanwhile sets it again.
+    rediscover_.store(false);
+    try {
+      master_ = discover();
+    } catch (...) {
+      rediscover_.store(true);
+      throw;
+    }
+    epoch_.fetch_add(1);  // every pooled connection is from before: reconnect them all
+    discoveries_.fetch_add(1);
+  }
+  return {master_, epoch_.load()};
+}
+
+Endpoint Client::discover() const {
+  Command ask;
+  ask.arg("SENTINEL").arg("get-master-addr-by-name").arg(opt_.sentinel_master);
+  Pipeline p;
+  if (!opt_.sentinel_password.empty()) {
+    Command auth;
+    auth.arg("AUTH");
+    if (!opt_.sentinel_user.empty()) auth.arg(opt_.sentinel_user);
+    p.add(auth.arg(opt_.sentinel_password).format());
+  }
+  p.add(ask.format());
+  std::string why;
+  bool any_answer = false;
+  for (std::size_t n = 0; n < sentinels_.size(); ++n) {
+    const std::size_t i = (first_sentinel_ + n) % sentinels_.size();
+    const std::string at = describe(sentinels_[i]);
+    try {
+      ContextPtr c = open(sentinels_[i], "the Redis sentinel");
+      // Not read_reply: its messages name the master, whose lock this thread holds.
+      auto failed = [&](const char* during) {
+        why += "; " + at + ": " + io_failure(c.get(), during, at, opt_.command_timeout).text;
+      };
+      if (write_all(c->fd, p.all()) != p.all().size()) {
+        failed("while sending");
+        continue;
+      }
+      std::string refused;
+      ReplyPtr last;
+      bool broke = false;
+      for (std::size_t k = 0; k < p.size() && !broke; ++k) {
+        void* raw = nullptr;
+        if (redisGetReply(c.get(), &raw) != REDIS_OK || raw == nullptr) {
+          failed("to SENTINEL get-master-addr-by-name");
+          broke = true;
+          break;
+        }
+        last.reset(static_cast<redisReply*>(raw));
+        if (is_error(last.get()) && refused.empty()) refused = reply_text(last.get());
+      }
+      if (broke) continue;
+      if (!refused.empty()) {
+        why += "; " + at + " refused: " + refused;
+        continue;
+      }
+      const redisReply* r = last.get();
+      any_answer = true;
+      if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r->element[0]->type == REDIS_REPLY_STRING &&
+          r->element[1]->type == REDIS_REPLY_STRING) {
+        int port = 0;
+        const std::string_view ps = reply_text(r->element[1]);
+        if (std::from_chars(ps.data(), ps.data() + ps.size(), port).ec == std::errc{} && port > 0 && port < 65536) {
+          first_sentinel_ = i;
+          return {std::string(reply_text(r->element[0])), port};
+        }
+      }
+      why += "; " + at + " does not know a master named '" + opt_.sentinel_master + "'";
+    } catch (const error& e) {
+      why += "; " + at + ": " + e.what();
+    }
+  }
+  const std::string msg = "idem: no sentinel named the Redis master '" + opt_.sentinel_master + "'" + why;
+  if (any_answer)
+    throw connection_error(msg + ". Check sentinel_master against `sentinel monitor <name> ...` (SENTINEL MASTERS "
+                                 "lists the names); retry later if a failover is under way",
+                           "SENTINEL", true);
+  throw connection_error(msg + ". Are the sentinels running at those addresses? retry later", "SENTINEL", true);
+}
+
+}  // namespace idem::detail::redis
