@@ -461,6 +461,108 @@ void guard_replays_and_records_failures(F& f) {
   CHECK(*second.value == "1/1");
 }
 
+// A polled batch through the guard: every kind of item in one call (BatchStore or not).
+template <class F>
+void batch_mixed_items(F& f) {
+  auto& s = f.store();
+  GuardOptions o;
+  o.lease = 30s;
+  o.retention = 600s;
+  o.wait_for_in_flight = 0ms;
+  o.failure.mode = FailureMode::release;
+  IdempotencyGuard guard(s, o);
+  GuardOptions once = o;
+  once.failure.mode = FailureMode::record;
+  once.failure.max_attempts = 1;
+  IdempotencyGuard failing(s, once);
+
+  const auto done = f.key("b-done"), held = f.key("b-held"), failed = f.key("b-failed"), mm = f.key("b-mm");
+  const auto new1 = f.key("b-new1"), new2 = f.key("b-new2"), boom = f.key("b-boom");
+  REQUIRE(guard.run(done, [] { return 7; }).status == Status::executed);
+  REQUIRE(s.acquire(held, params(901)).status == AcquireStatus::acquired);
+  CHECK_THROWS(failing.run(failed, []() -> int { throw std::runtime_error("no"); }));
+  REQUIRE(guard.run(mm, "payload a", [] { return 1; }).status == Status::executed);
+
+  const std::vector<BatchItem> items{{new1, ""}, {done, ""}, {held, ""}, {failed, ""}, {mm, "payload b"},
+                                     {new2, ""}, {new1, ""}, {boom, ""}};
+  std::vector<std::string> ran;
+  auto handler = [&](const BatchItem& it, const Context& ctx) -> int {
+    ran.emplace_back(it.key);
+    CHECK(ctx.key == it.key);
+    if (it.key == boom) throw std::runtime_error("item failed");
+    return static_cast<int>(ctx.fence) * 100 + static_cast<int>(it.key.size());
+  };
+  auto r = guard.run_batch(items, handler);
+  REQUIRE(r.outcomes.size() == items.size());
+  CHECK(ran == std::vector<std::string>{new1, new2, boom});  // in input order, once each
+  CHECK(r.outcomes[0].status == Status::executed);
+  CHECK(r.outcomes[0].fence == 1);
+  CHECK(r.outcomes[1].status == Status::duplicate);
+  CHECK(r.outcomes[1].value == 7);
+  CHECK(r.outcomes[2].status == Status::in_flight);
+  CHECK(r.outcomes[3].status == Status::previously_failed);
+  CHECK(r.outcomes[3].error == "no");
+  CHECK(r.outcomes[4].status == Status::mismatch);
+  CHECK(r.outcomes[5].status == Status::executed);
+  CHECK(r.outcomes[6].status == Status::duplicate);  // the same key again: ran once
+  CHECK(r.outcomes[6].value == r.outcomes[0].value);
+  REQUIRE(r.errors[7]);
+  CHECK_THROWS_WITH(std::rethrow_exception(r.errors[7]), "item failed");
+  for (std::size_t i = 0; i < 7; ++i) CHECK_FALSE(r.errors[i]);
+  CHECK(r.executed() == 2);
+  CHECK(r.settled_prefix() == 2);  // item 2 (in flight elsewhere) must be redelivered
+  CHECK(r.to_retry() == std::vector<std::size_t>{2, 7});
+  CHECK(r.action(3) == BrokerAction::dead_letter);
+
+  // Redelivered: the completed items are duplicates with their values, the released one runs again.
+  ran.clear();
+  auto again = guard.run_batch(items, handler);
+  CHECK(ran == std::vector<std::string>{boom});
+  CHECK(again.outcomes[0].status == Status::duplicate);
+  CHECK(again.outcomes[0].value == r.outcomes[0].value);
+  CHECK(again.outcomes[5].status == Status::duplicate);
+  CHECK(again.errors[7]);
+  auto rec = s.inspect(boom);
+  REQUIRE(rec);
+  CHECK(rec->state == State::failed);
+  CHECK(rec->attempts == 2);
+}
+
+// A lapsed lease inside a batch is taken over with fence + 1; stop_at_first_error leaves the rest.
+template <class F>
+void batch_takeover_and_stop(F& f) {
+  auto& s = f.store();
+  GuardOptions o;
+  o.lease = 30s;
+  o.retention = 600s;
+  o.wait_for_in_flight = 0ms;
+  o.failure.mode = FailureMode::release;
+  IdempotencyGuard guard(s, o);
+  const auto lapsed = f.key("b-lapsed"), a = f.key("b-a"), bad = f.key("b-bad"), c = f.key("b-c");
+  REQUIRE(s.acquire(lapsed, params(902, f.short_lease())).status == AcquireStatus::acquired);
+  f.advance(f.short_lease() + 50ms);
+  const std::vector<BatchItem> items{{lapsed, ""}, {a, ""}, {bad, ""}, {c, ""}};
+  int runs = 0;
+  auto handler = [&](const BatchItem& it) {
+    ++runs;
+    if (it.key == bad) throw std::runtime_error("stop here");
+  };
+  auto r = guard.run_batch(items, handler, {.stop_at_first_error = true});
+  CHECK(runs == 3);  // lapsed, a, bad; not c
+  CHECK(r.outcomes[0].status == Status::executed);
+  CHECK(r.outcomes[0].takeover);
+  CHECK(r.outcomes[0].fence == 2);
+  CHECK(r.outcomes[1].status == Status::executed);
+  CHECK(r.errors[2]);
+  CHECK(r.outcomes[3].status == Status::in_flight);
+  CHECK(r.action(3) == BrokerAction::requeue);
+  CHECK(r.settled_prefix() == 2);
+  // c was released, not failed: the next batch runs it at once.
+  auto next = guard.run_batch(std::span<const BatchItem>(items).subspan(3), handler);
+  CHECK(next.outcomes[0].status == Status::executed);
+  CHECK(runs == 4);
+}
+
 }  // namespace idem::contract
 
 #define IDEM_CONTRACT_CASE_(Factory, tag, name, fn) \
@@ -492,4 +594,7 @@ void guard_replays_and_records_failures(F& f) {
   IDEM_CONTRACT_CASE_(Factory, tag, "concurrent acquire has one winner", concurrent_acquire_has_one_winner)    \
   IDEM_CONTRACT_CASE_(Factory, tag, "guard race: each key runs exactly once", guard_race_exactly_once)         \
   IDEM_CONTRACT_CASE_(Factory, tag, "guard replays results and records failures",                              \
-                      guard_replays_and_records_failures)
+                      guard_replays_and_records_failures)                                                      \
+  IDEM_CONTRACT_CASE_(Factory, tag, "batch: every kind of item in one call", batch_mixed_items)                \
+  IDEM_CONTRACT_CASE_(Factory, tag, "batch: a lapsed lease is taken over, stop at the first error",            \
+                      batch_takeover_and_stop)

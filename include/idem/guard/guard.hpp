@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <stop_token>
 #include <string>
 #include <string_view>
@@ -32,6 +33,8 @@
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
+#include "idem/core/batch_store.hpp"
+#include "idem/guard/batch.hpp"
 
 namespace idem {
 
@@ -96,6 +99,18 @@ public:
     return run_impl(key, payload.empty() ? std::string{} : fingerprint(payload), handler, complete);
   }
 
+  /// Runs a polled batch: `handler(item, ctx)` (or `handler(item)`) once for each item whose key
+  /// it acquires, in input order, with the Context run() gives; every other item gets the outcome
+  /// run() would give it (duplicate with the stored value, in_flight, previously_failed, mismatch).
+  /// A handler's exception is recorded per the failure policy for its item and the batch goes on
+  /// (BatchOptions::stop_at_first_error to stop); an item's key repeated later in the batch runs
+  /// once and the repeats answer duplicate. On a BatchStore the acquisitions take one call and each
+  /// item's completion is sent as soon as its handler returns, the answers collected at the end;
+  /// other stores run one call per item. A transactional store runs one transaction per item.
+  /// Throws only what concerns the whole batch (a bad key, the acquisition failing).
+  template <class F>
+  auto run_batch(std::span<const BatchItem> items, F&& handler, BatchOptions batch = {});
+
   /// The options in force (owner filled in).
   [[nodiscard]] const GuardOptions& options() const noexcept { return options_; }
   /// The store this guard runs on.
@@ -104,6 +119,12 @@ public:
 private:
   template <class F>
   static constexpr bool takes_context = std::is_invocable_v<F&, const context_type&>;
+  template <class F>
+  static constexpr bool batch_takes_context = std::is_invocable_v<F&, const BatchItem&, const context_type&>;
+  template <class F>
+  using batch_result_of = std::conditional_t<batch_takes_context<F>,
+                                             std::invoke_result<F&, const BatchItem&, const context_type&>,
+                                             std::invoke_result<F&, const BatchItem&>>;
 
   template <class F>
   using result_of = std::conditional_t<takes_context<F>, std::invoke_result<F&, const context_type&>,
@@ -416,3 +437,5 @@ private:
 };
 
 }  // namespace idem
+
+#include "idem/guard/batch_run.hpp"

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -17,6 +18,7 @@
 #include "idem/detail/validate.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/record.hpp"
+#include "idem/core/batch_store.hpp"
 #include "idem/core/store.hpp"
 
 namespace idem {
@@ -171,6 +173,34 @@ public:
       e.expires_at_ms = std::max(e.expires_at_ms, e.rec.lease_until_ms);
     });
   }
+
+  /// Decides each request as acquire() does, in request order (BatchStore).
+  std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests) {
+    std::vector<AcquireResult> out;
+    out.reserve(requests.size());
+    for (const AcquireRequest& r : requests) out.push_back(acquire(r.key, r.params));
+    return out;
+  }
+
+  /// The writes of one batch (BatchWriter): in memory each is done when it is made.
+  class BatchWriter {
+  public:
+    explicit BatchWriter(MemoryStore& s) : s_(&s) {}
+    /// Completes now; the status is kept for finish().
+    void complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+      statuses_.push_back(s_->complete(key, h, result, retention));
+    }
+    /// Fails now; the status is kept for finish().
+    void fail(std::string_view key, const Holder& h, const FailParams& f) { statuses_.push_back(s_->fail(key, h, f)); }
+    /// The statuses, in the order the writes were made.
+    std::vector<WriteStatus> finish() { return std::move(statuses_); }
+
+  private:
+    MemoryStore* s_;
+    std::vector<WriteStatus> statuses_;
+  };
+  /// A writer for one batch (BatchStore).
+  BatchWriter batch_writer() { return BatchWriter(*this); }
 
   /// A snapshot of the live record, or nullopt if absent or expired.
   std::optional<Record> inspect(std::string_view key) {
