@@ -318,7 +318,7 @@ void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const 
   if (!changed) return;  // a duplicate or in_flight answer: nothing a failover could lose
   const std::string what = std::string(script(s).name) + (n > 1 ? " (" + std::to_string(n) + " calls)" : "");
   const std::string effect =
-      s == Script::acquire || s == Script::acquire_batch
+      s == Script::acquire || s == Script::acquire_batch || s == Script::acquire_each
           ? "; the handler did not run: redeliver later (the key frees itself after the lease)"
           : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds it "
             "(or, if a failover lost it, runs again after the lease)";
@@ -339,7 +339,7 @@ void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const 
 }
 
 ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot) {
-  if (cluster_) return cluster_->eval(s, req, hints, resend, slot);
+  if (cluster_) return cluster_->eval(s, req.view(), hints, resend, slot);
   return eval_at(s, req.view(), hints, resend, false);
 }
 
@@ -488,6 +488,12 @@ RedisClientStats Client::stats() const noexcept {
   s.discoveries = discoveries_.load();
   if (cluster_) cluster_->add_stats(s);
   return s;
+}
+
+std::shared_ptr<Client> Client::cluster_owner(int slot) { return cluster_->owner(slot); }
+
+ReplyPtr Client::cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot) {
+  return cluster_->eval(s, req, hints, resend, slot);
 }
 
 int Client::slot_of(std::initializer_list<std::string_view> parts) const {

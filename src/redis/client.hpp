@@ -123,6 +123,9 @@ public:
   // Cluster mode: the slot of the key made of `parts` (the stores route by it); -1 otherwise.
   [[nodiscard]] int slot_of(std::initializer_list<std::string_view> parts) const;
   [[nodiscard]] bool clustered() const noexcept { return cluster_ != nullptr; }
+  // Cluster mode: the master that serves `slot` now, and a routed call (Writes uses both).
+  std::shared_ptr<Client> cluster_owner(int slot);
+  ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot);
 
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);
@@ -144,6 +147,12 @@ public:
   std::vector<ReplyPtr> eval_many_at(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend);
   // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip.
   ServerConfig server_config();
+
+  // The writes of one batch on one connection of this server: each request goes out when it is
+  // sent; finish() reads every answer (one WAIT after the last, with min_replica_acks). An answer
+  // lost (the connection broke) is asked again alone as the same holder, and a request that never
+  // went out is sent then, so finish() answers every request or throws. One thread.
+  class Stream;
 
 private:
   // A pooled connection and the pool generation it belongs to: a new master (Sentinel) or a
@@ -296,6 +305,36 @@ private:
   mutable std::atomic<std::uint64_t> discoveries_{0};
   Pool<Traits> pool_;
   std::unique_ptr<Cluster> cluster_;  // cluster mode: the router over one Client per master
+
+public:
+  class Stream {
+  public:
+    explicit Stream(Client& c) : c_(&c) {}
+    void send(Script s, std::string_view req);
+    std::vector<ReplyPtr> finish(const ReplyErrorHints& hints);
+
+  private:
+    Client* c_;
+    std::unique_ptr<Pool<Traits>::Lease> lease_;
+    std::vector<std::pair<Script, std::string>> requests_;
+    std::size_t written_ = 0;  // requests written whole on lease_'s connection
+    bool broken_ = false;
+  };
+};
+
+// The writes of one batch (RedisStore::BatchWriter): one Stream, or on a cluster one per master,
+// each request routed by its key's slot; finish() answers in the order of send().
+class Writes {
+public:
+  explicit Writes(Client& c);
+  ~Writes();
+  Writes(Writes&&) noexcept;
+  void send(Script s, const Request& req, int slot);
+  std::vector<ReplyPtr> finish(const ReplyErrorHints& hints);
+
+private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
 };
 
 }  // namespace idem::detail::redis

@@ -260,9 +260,18 @@ void Cluster::moved(const Redirect& to) {
   suspect();  // slots move together: read the whole map again (at most every 50 ms)
 }
 
-ReplyPtr Cluster::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot) {
+ReplyPtr Cluster::eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot) {
   return routed(slot, script(s).name,
-                [&](Client& node, bool asking) { return node.eval_at(s, req.view(), hints, resend, asking); });
+                [&](Client& node, bool asking) { return node.eval_at(s, req, hints, resend, asking); });
+}
+
+std::shared_ptr<Client> Cluster::owner(int slot) {
+  try {
+    return node_of(slot);
+  } catch (const store_error& e) {
+    if (e.code() != "POOL") suspect();
+    throw;
+  }
 }
 
 ReplyPtr Cluster::call(const Request& req, const char* during, int slot) {

@@ -54,7 +54,9 @@ public:
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;
 
-  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot);
+  ReplyPtr eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot);
+  // The client of the master that serves `slot` now (a batch's writes stream to it).
+  std::shared_ptr<Client> owner(int slot);
   std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, std::span<const int> slots, const ReplyErrorHints& hints,
                                   Resend resend);
   ReplyPtr call(const Request& req, const char* during, int slot);

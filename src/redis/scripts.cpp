@@ -35,6 +35,7 @@ constexpr std::array<std::pair<std::string_view, std::string_view>, script_count
     {"complete_batch", redis_lua::complete_batch},
     {"sequence_advance", redis_lua::sequence_advance},
     {"complete_advance", redis_lua::complete_advance},
+    {"acquire_each", redis_lua::acquire_each},
 }};
 
 }  // namespace
@@ -74,7 +75,8 @@ bool wrote(Script s, const redisReply* r) {
     case Script::complete:
     case Script::fail:
     case Script::extend: return is_one(r);
-    case Script::acquire_batch: return any_element(r, first_is_one);
+    case Script::acquire_batch:
+    case Script::acquire_each: return any_element(r, first_is_one);
     case Script::complete_batch: return any_element(r, is_one);
     case Script::inspect: return false;
   }

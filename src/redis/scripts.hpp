@@ -18,8 +18,9 @@ enum class Script : std::size_t {
   complete_batch,
   sequence_advance,
   complete_advance,
+  acquire_each,
 };
-inline constexpr std::size_t script_count = 9;
+inline constexpr std::size_t script_count = 10;
 
 struct ScriptInfo {
   std::string_view name;

@@ -238,14 +238,29 @@ AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) 
 
 namespace {
 // complete.lua, with (unavailable) or without its fifth argument.
-WriteStatus complete_one(Client& c, std::string_view key, const Holder& h, std::string_view text, millis retention,
-                         bool unavailable) {
+Command complete_command(const RedisOptions& o, std::string_view key, const Holder& h, std::string_view text,
+                         millis retention, bool unavailable) {
   detail::check_holder(key, h);
   detail::check_lease(retention, "retention");
-  Command cmd = eval_one(c.options(), Script::complete, key);
+  Command cmd = eval_one(o, Script::complete, key);
   cmd.arg(h.fence).token(h.token).arg(text).arg(retention.count());
   if (unavailable) cmd.arg("1");
+  return cmd;
+}
+
+WriteStatus complete_one(Client& c, std::string_view key, const Holder& h, std::string_view text, millis retention,
+                         bool unavailable) {
+  Command cmd = complete_command(c.options(), key, h, text, retention, unavailable);
   return parse_write(run_one(c, Script::complete, cmd, key).get(), "complete", key);
+}
+
+Command fail_command(const RedisOptions& o, std::string_view key, const Holder& h, const FailParams& f) {
+  detail::check_holder(key, h);
+  detail::check_lease(f.retention, "retention");
+  Command cmd = eval_one(o, Script::fail, key);
+  cmd.arg(h.fence).token(h.token).arg(f.error).arg(f.release ? "1" : "0").arg(f.permanent ? "1" : "0");
+  cmd.arg(std::max<std::int64_t>(0, f.backoff.count())).arg(f.retention.count());
+  return cmd;
 }
 }  // namespace
 
@@ -259,13 +274,77 @@ WriteStatus RedisStore::complete_unavailable(std::string_view key, const Holder&
 }
 
 WriteStatus RedisStore::fail(std::string_view key, const Holder& h, const FailParams& f) {
-  detail::check_holder(key, h);
-  detail::check_lease(f.retention, "retention");
   Client& c = impl();
-  Command cmd = eval_one(c.options(), Script::fail, key);
-  cmd.arg(h.fence).token(h.token).arg(f.error).arg(f.release ? "1" : "0").arg(f.permanent ? "1" : "0");
-  cmd.arg(std::max<std::int64_t>(0, f.backoff.count())).arg(f.retention.count());
+  Command cmd = fail_command(c.options(), key, h, f);
   return parse_write(run_one(c, Script::fail, cmd, key).get(), "fail", key);
+}
+
+std::vector<AcquireResult> RedisStore::acquire_many(std::span<const AcquireRequest> requests) {
+  if (requests.empty()) return {};
+  const AcquireParams& first = requests.front().params;
+  bool shared = true;
+  for (const AcquireRequest& r : requests) {
+    detail::check_acquire(r.key, r.params);
+    check_fingerprint(r.params);
+    shared = shared && r.params.lease == first.lease && r.params.retention == first.retention &&
+             r.params.owner == first.owner;
+  }
+  if (!shared) {  // not the guard's way: one call each
+    std::vector<AcquireResult> out;
+    for (const AcquireRequest& r : requests) out.push_back(acquire(r.key, r.params));
+    return out;
+  }
+  const std::string_view owner = first.owner.substr(0, 255);
+  return run_batch<AcquireResult>(
+      impl(), Script::acquire_each, requests, [](const AcquireRequest& r) { return r.key; },
+      [&](Command& cmd, std::span<const std::size_t> idx) {
+        cmd.arg(first.lease.count()).arg(first.retention.count()).arg(owner);
+        for (std::size_t i : idx) cmd.token(requests[i].params.token).arg(requests[i].params.fingerprint);
+      },
+      [](const redisReply* r, const AcquireRequest& req) { return parse_acquire(r, req.key, req.params.token); });
+}
+
+struct RedisStore::BatchWriter::Impl {
+  Client* client;
+  Writes writes;
+  std::vector<std::pair<std::string, const char*>> made;  // key and step, for messages
+};
+
+RedisStore::BatchWriter::BatchWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RedisStore::BatchWriter::BatchWriter(BatchWriter&&) noexcept = default;
+RedisStore::BatchWriter& RedisStore::BatchWriter::operator=(BatchWriter&&) noexcept = default;
+RedisStore::BatchWriter::~BatchWriter() = default;
+
+void RedisStore::BatchWriter::complete(std::string_view key, const Holder& h, std::string_view result,
+                                       millis retention) {
+  Client& c = *impl_->client;
+  Command cmd = complete_command(c.options(), key, h, result, retention, false);
+  impl_->writes.send(Script::complete, cmd.format(), c.slot_of({c.options().key_prefix, key}));
+  impl_->made.emplace_back(std::string(key), "complete");
+}
+
+void RedisStore::BatchWriter::fail(std::string_view key, const Holder& h, const FailParams& f) {
+  Client& c = *impl_->client;
+  Command cmd = fail_command(c.options(), key, h, f);
+  impl_->writes.send(Script::fail, cmd.format(), c.slot_of({c.options().key_prefix, key}));
+  impl_->made.emplace_back(std::string(key), "fail");
+}
+
+std::vector<WriteStatus> RedisStore::BatchWriter::finish() {
+  std::vector<ReplyPtr> replies = impl_->writes.finish(store_hints);
+  std::vector<WriteStatus> out;
+  out.reserve(replies.size());
+  for (std::size_t i = 0; i < replies.size(); ++i) {
+    const auto& [key, step] = impl_->made[i];
+    throw_if_error(replies[i].get(), store_hints, [&] { return std::string(step) + " of key '" + printable(key) + "'"; });
+    out.push_back(parse_write(replies[i].get(), step, key));
+  }
+  return out;
+}
+
+RedisStore::BatchWriter RedisStore::batch_writer() {
+  Client& c = impl();
+  return BatchWriter(std::unique_ptr<BatchWriter::Impl>(new BatchWriter::Impl{&c, Writes(c), {}}));
 }
 
 WriteStatus RedisStore::extend(std::string_view key, const Holder& h, millis lease) {

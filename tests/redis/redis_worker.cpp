@@ -5,6 +5,9 @@
 //                                     the handler until killed (bounded: 60 s)
 //   slow  <port> <key> <lease_ms> <work_ms>  like hold, but return "old" after work_ms; exit 0 when
 //                                     executed, 3 when the completion found the lease lost
+//   batch <port> <ns> <items> <handler_ms>  one run_batch over keys <ns>0..<ns><items-1>: each
+//                                     handler sleeps handler_ms, then prints "ran <i>" (unbuffered)
+//                                     and returns i; "done" at the end
 //   ordered <port> <ns> <entities> <per_entity> <combined 1|0>  SequenceGate over RedisStore:
 //                                     entities "<ns>-<e>" in turn, each with seq 1..per_entity in order
 //                                     (key "{<ns>-<e>}:<seq>"); combined 0 hides complete_advance, so
@@ -18,6 +21,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
@@ -110,6 +115,26 @@ int ordered(char** argv) {
 
 }  // namespace
 
+int batch(char** argv) {
+  idem::RedisStore store = connect(argv[2]);
+  const std::string ns = argv[3];
+  const int n = std::atoi(argv[4]);
+  const auto pause = std::chrono::milliseconds(std::atoi(argv[5]));
+  idem::IdempotencyGuard guard(store, {.lease = idem::millis{30'000}, .retention = idem::millis{600'000}});
+  std::vector<std::string> keys;
+  for (int i = 0; i < n; ++i) keys.push_back(ns + std::to_string(i));
+  std::vector<idem::BatchItem> items;
+  for (const auto& k : keys) items.push_back({k, ""});
+  auto r = guard.run_batch(items, [&](const idem::BatchItem& it) {
+    std::this_thread::sleep_for(pause);
+    const std::string line = "ran " + std::string(it.key.substr(ns.size())) + "\n";
+    (void)!::write(1, line.data(), line.size());  // before the completion is sent: the parent's cue
+    return std::atoi(it.key.data() + ns.size());
+  });
+  std::printf("done %zu\n", r.executed());
+  return 0;
+}
+
 int main(int argc, char** argv) {
   try {
     const std::string mode = argc > 1 ? argv[1] : "";
@@ -117,6 +142,7 @@ int main(int argc, char** argv) {
     if (mode == "hold" && argc == 5) return hold(argv, false);
     if (mode == "slow" && argc == 6) return hold(argv, true);
     if (mode == "ordered" && argc == 7) return ordered(argv);
+    if (mode == "batch" && argc == 6) return batch(argv);
     std::fprintf(stderr, "usage: idem_redis_worker race|hold|slow|ordered ...\n");
     return 2;
   } catch (const std::exception& e) {

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "idem/core/batch_store.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
 #include "idem/redis/client.hpp"
@@ -68,10 +69,43 @@ public:
   /// in_progress (it is diagnostics for a live holder; dropping it keeps retained records small).
   std::optional<Record> inspect(std::string_view key);
 
+  /// Decides each request exactly as acquire() would, in one round trip (BatchStore): each with its
+  /// own token and fingerprint, one acquire_each script per 256 keys (per slot on a cluster),
+  /// pipelined; results in request order. Requests that differ in lease, retention or owner are
+  /// sent one script each. On an error reply it throws after reading every reply; keys acquired
+  /// before it lapse after their lease (fail closed).
+  std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests);
+
+  /// The writes of one batch (BatchWriter): complete() and fail() send their request at once on a
+  /// connection held for the batch (on a cluster, one per master) and return; finish() reads
+  /// every answer, one WAIT after the last with min_replica_acks, statuses in the order of the
+  /// writes. An answer lost is asked again alone as the same holder. One thread.
+  class BatchWriter {
+  public:
+    BatchWriter(BatchWriter&&) noexcept;             ///< Movable.
+    BatchWriter& operator=(BatchWriter&&) noexcept;  ///< Movable.
+    ~BatchWriter();                                  ///< Unanswered writes stay sent; their answers are dropped.
+    /// Sends the completion of `key` by `h` now.
+    void complete(std::string_view key, const Holder& h, std::string_view result, millis retention);
+    /// Sends the failure (or release) of `key` by `h` now.
+    void fail(std::string_view key, const Holder& h, const FailParams& f);
+    /// Every answer, in the order of the writes; throws what a write could not settle.
+    std::vector<WriteStatus> finish();
+
+  private:
+    friend class RedisStore;
+    struct Impl;
+    explicit BatchWriter(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+  };
+  /// A writer for one batch (BatchStore).
+  BatchWriter batch_writer();
+
   /// Acquires many keys in one round trip, all with `p` (same lease, token, fingerprint): one
-  /// script run per 256 keys, pipelined; each key decided exactly as by acquire(). Results are in
-  /// key order. On an error reply it throws after reading every reply; keys acquired before it
-  /// lapse after their lease (fail closed). Multi-key: on a future cluster, batch per hash slot.
+  /// script run per 256 keys (per slot on a cluster), pipelined; each key decided exactly as by
+  /// acquire(). Results are in key order. On an error reply it throws after reading every reply;
+  /// keys acquired before it lapse after their lease (fail closed). The guard's run_batch uses
+  /// acquire_many (a token per message) instead.
   std::vector<AcquireResult> acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p);
   /// Completes many keys in one round trip (as acquire_batch); statuses in item order.
   std::vector<WriteStatus> complete_batch(std::span<const CompleteItem> items, millis retention);
@@ -92,5 +126,6 @@ private:
 static_assert(StateStore<RedisStore>);
 static_assert(HasStoreLimits<RedisStore>);
 static_assert(CompletesUnavailable<RedisStore>);
+static_assert(BatchStore<RedisStore>);
 
 }  // namespace idem
