@@ -1,9 +1,11 @@
 // RedisStore benchmark: the guard with a no-op handler on new and duplicate keys at 1 and 16 in
 // flight, a takeover pass, batch claim/complete, and SequenceGate events (completion and advance
 // in one script, and the two-step fallback for comparison); round trips per message counted from the
-// server's INFO commandstats; MEMORY USAGE of a retained record. scripts/bench-redis runs it next
-// to redis-benchmark on the same server and prints the ratios; scripts/bench-redis-wait runs the
-// guard and batch phases with --acks 0 and --acks 1 against a primary with one replica.
+// server's INFO commandstats (summed over every master of a cluster); MEMORY USAGE of a retained
+// record. scripts/bench-redis runs it next to redis-benchmark on the same server and prints the
+// ratios; scripts/bench-redis-wait runs the guard and batch phases with --acks 0 and --acks 1 against
+// a primary with one replica; scripts/bench-redis-cluster runs it with --url redis-cluster://...
+// next to redis-benchmark --cluster on three masters.
 // idem_redis_bench --help prints the options.
 #include <algorithm>
 #include <atomic>
@@ -33,6 +35,7 @@ using namespace std::chrono_literals;
 struct Args {
   std::string host = "127.0.0.1";
   int port = 6379;
+  std::string url;  // RedisOptions::url; overrides host and port
   long messages = 20'000;
   long batch = 100;
   int batch_threads = 2;
@@ -43,85 +46,153 @@ struct Args {
 };
 
 constexpr const char* usage =
-    "usage: idem_redis_bench --port P [options]\n"
+    "usage: idem_redis_bench [--port P | --url URL] [options]\n"
     "  RedisStore benchmark against a running redis-server; prints one RESULT line per measurement\n"
     "  (name messages seconds rate roundtrips server_us unexpected), a WAIT line after each when\n"
-    "  --acks > 0, and MEMORY lines. Every rate is the best of --repeat runs.\n"
+    "  --acks > 0, and MEMORY lines. Every rate is the best of --repeat runs. roundtrips (client\n"
+    "  commands per message) and server_us (EVALSHA µs per message) come from INFO commandstats of\n"
+    "  every server in RedisClient::address(): with a cluster URL, every master of the slot map, summed\n"
+    "  (replicas are not read: they run no client command).\n"
     "  --host H             server host (default 127.0.0.1)\n"
     "  --port P             server port (default 6379)\n"
+    "  --url URL            any idem Redis URL instead of --host/--port: redis://[user[:password]@]host\n"
+    "                       [:port][/db], unix://..., redis-sentinel://.../master (the master found),\n"
+    "                       redis-cluster://host:port[,host:port...] (cluster mode: scripts on their key's\n"
+    "                       master, batches split by slot: one script run per slot, each master's share\n"
+    "                       pipelined); the bench's own INFO/CONFIG/MEMORY connections use its user,\n"
+    "                       password and db\n"
     "  --messages N         messages per guard phase, 100..1e7 (default 20000; the batch phase runs 10 N)\n"
     "  --batch B            keys per acquire_batch / complete_batch call, 1..10000 (default 100)\n"
     "  --batch-threads T    threads calling the batches, 1..64 (default 2)\n"
     "  --repeat R           runs per measurement, 1..20 (default 3)\n"
     "  --acks N             RedisOptions::min_replica_acks = N, 0..16 (default 0 = no WAIT); N > 0 sends\n"
     "                       WAIT N 500 with every write transition (replica_ack_timeout 500 ms,\n"
-    "                       command_timeout 10 s) and needs N replicas online (INFO replication)\n"
+    "                       command_timeout 10 s) and needs N replicas online (INFO replication; on\n"
+    "                       every master with a cluster URL)\n"
     "  --phases LIST        comma-separated subset of guard,takeover,batch,gate,memory (default all):\n"
     "                       guard = new keys and duplicates at 1 and 16 in flight\n"
-    "  --print-sha          load the acquire script, print its SHA1 (for redis-benchmark) and exit\n"
+    "  --print-sha          load the acquire script (on every master with a cluster URL), print its\n"
+    "                       SHA1 (for redis-benchmark) and exit\n"
     "  --help               this text\n";
 
-// A plain hiredis connection for the bench's own INFO / CONFIG / MEMORY commands.
+// Plain hiredis connections for the bench's own INFO / CONFIG / MEMORY commands: one per server
+// the store writes to (every master of a cluster); the statistics are summed over them.
 class Admin {
 public:
-  Admin(const std::string& host, int port) : c_(redisConnect(host.c_str(), port), redisFree) {
-    if (!c_ || c_->err) throw std::runtime_error("bench: cannot connect to " + host + ":" + std::to_string(port));
+  // `where`: RedisClient::address() ("host:port", "[v6]:port", a socket path, or a comma-separated
+  // list of masters); the options give the user, password and db of the data nodes.
+  Admin(const std::string& where, const idem::RedisOptions& o) {
+    std::stringstream list(where);
+    for (std::string node; std::getline(list, node, ',');) {
+      redisContext* c = nullptr;
+      if (!node.empty() && node.front() == '/') {
+        c = redisConnectUnix(node.c_str());
+      } else {
+        const auto colon = node.rfind(':');
+        if (colon == std::string::npos) throw std::runtime_error("bench: cannot parse the address '" + node + "'");
+        std::string host = node.substr(0, colon);
+        if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+        c = redisConnect(host.c_str(), std::atoi(node.c_str() + colon + 1));
+      }
+      nodes_.emplace_back(c, redisFree);
+      if (!c || c->err) throw std::runtime_error("bench: cannot connect to " + node);
+      names_.push_back(node);
+      if (!o.password.empty()) {
+        std::vector<std::string> auth{"AUTH"};
+        if (!o.user.empty()) auth.push_back(o.user);
+        auth.push_back(o.password);
+        if (!try_run(nodes_.size() - 1, auth)) throw std::runtime_error("bench: AUTH refused by " + node);
+      }
+      if (o.db != 0 && !try_run(nodes_.size() - 1, {"SELECT", std::to_string(o.db)}))
+        throw std::runtime_error("bench: SELECT refused by " + node);
+    }
+    if (nodes_.empty()) throw std::runtime_error("bench: no server address (is the Sentinel master known?)");
   }
-  std::string run(const std::vector<std::string>& args) {
+  std::size_t size() const { return nodes_.size(); }
+  const std::string& name(std::size_t i) const { return names_[i]; }
+  // The reply on node i as text (an error's text too).
+  std::string run(std::size_t i, const std::vector<std::string>& args) {
+    std::string out;
+    try_run(i, args, &out);
+    return out;
+  }
+  // On the first node: a single server's only one.
+  std::string run(const std::vector<std::string>& args) { return run(0, args); }
+  // false when node i answered an error; its text (or the error's) in *out.
+  bool try_run(std::size_t i, const std::vector<std::string>& args, std::string* out = nullptr) {
     std::vector<const char*> argv;
     std::vector<size_t> lens;
     for (const auto& a : args) {
       argv.push_back(a.data());
       lens.push_back(a.size());
     }
-    auto* r = static_cast<redisReply*>(redisCommandArgv(c_.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-    if (r == nullptr) throw std::runtime_error("bench: admin command failed");
-    std::string out = r->type == REDIS_REPLY_INTEGER ? std::to_string(r->integer) : std::string(r->str ? r->str : "", r->len);
+    auto* r = static_cast<redisReply*>(
+        redisCommandArgv(nodes_[i].get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
+    if (r == nullptr) throw std::runtime_error("bench: admin command failed on " + names_[i]);
+    const bool ok = r->type != REDIS_REPLY_ERROR;
+    if (out) *out = r->type == REDIS_REPLY_INTEGER ? std::to_string(r->integer) : std::string(r->str ? r->str : "", r->len);
     freeReplyObject(r);
+    return ok;
+  }
+  // The reply of the first node that does not refuse (on a cluster: the key's master; the others answer MOVED).
+  std::string run_anywhere(const std::vector<std::string>& args) {
+    std::string out;
+    for (std::size_t i = 0; i < nodes_.size(); ++i)
+      if (try_run(i, args, &out)) return out;
     return out;
   }
-  // Commands clients sent since the last reset: calls made inside scripts and the bench's own
-  // INFO/CONFIG are not round trips, nor is the WAIT that min_replica_acks sends in the same write
-  // as its EVALSHA (counted by wait_calls), nor a replica's REPLCONF ACK (its answer to the
-  // GETACK the primary sends while a WAIT blocks).
+  // Commands clients sent since the last reset, on all nodes: calls made inside scripts and the
+  // bench's own INFO/CONFIG are not round trips, nor is the WAIT that min_replica_acks sends in the
+  // same write as its EVALSHA (counted by wait_calls), nor a replica's REPLCONF ACK (its answer to
+  // the GETACK the primary sends while a WAIT blocks).
   long client_calls() {
-    const std::string info = run({"INFO", "commandstats"});
     long total = 0;
-    for (auto at = info.find("cmdstat_"); at != std::string::npos; at = info.find("cmdstat_", at + 1)) {
-      const std::string name = info.substr(at + 8, info.find(':', at) - at - 8);
-      if (name == "get" || name == "set" || name == "pttl" || name == "time" || name == "info" || name == "wait" ||
-          name == "replconf" || name.rfind("config", 0) == 0)
-        continue;
-      const auto calls = info.find("calls=", at);
-      total += std::atol(info.c_str() + calls + 6);
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const std::string info = run(i, {"INFO", "commandstats"});
+      for (auto at = info.find("cmdstat_"); at != std::string::npos; at = info.find("cmdstat_", at + 1)) {
+        const std::string name = info.substr(at + 8, info.find(':', at) - at - 8);
+        if (name == "get" || name == "set" || name == "pttl" || name == "time" || name == "info" || name == "wait" ||
+            name == "replconf" || name.rfind("config", 0) == 0)
+          continue;
+        const auto calls = info.find("calls=", at);
+        total += std::atol(info.c_str() + calls + 6);
+      }
     }
     return total;
   }
-  // WAIT commands since the last reset (cmdstat_wait).
-  long wait_calls() {
-    const std::string info = run({"INFO", "commandstats"});
-    const auto at = info.find("cmdstat_wait:");
-    if (at == std::string::npos) return 0;
-    return std::atol(info.c_str() + info.find("calls=", at) + 6);
-  }
-  // Replicas past their initial sync (INFO replication: slaveN:...,state=online,...).
+  // WAIT commands since the last reset (cmdstat_wait), on all nodes.
+  long wait_calls() { return sum_field("cmdstat_wait:", "calls="); }
+  // Replicas past their initial sync (INFO replication: slaveN:...,state=online,...): the fewest
+  // any node has.
   int online_replicas() {
-    const std::string info = run({"INFO", "replication"});
-    int n = 0;
-    for (auto at = info.find("state=online"); at != std::string::npos; at = info.find("state=online", at + 1)) ++n;
-    return n;
+    int fewest = -1;
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const std::string info = run(i, {"INFO", "replication"});
+      int n = 0;
+      for (auto at = info.find("state=online"); at != std::string::npos; at = info.find("state=online", at + 1)) ++n;
+      fewest = fewest < 0 ? n : std::min(fewest, n);
+    }
+    return fewest;
   }
-  // Server time spent in EVALSHA (scripts included) since the last reset, in microseconds.
-  long evalsha_usec() {
-    const std::string info = run({"INFO", "commandstats"});
-    const auto at = info.find("cmdstat_evalsha:");
-    if (at == std::string::npos) return 0;
-    return std::atol(info.c_str() + info.find("usec=", at) + 5);
+  // Server time spent in EVALSHA (scripts included) since the last reset, in microseconds, on all nodes.
+  long evalsha_usec() { return sum_field("cmdstat_evalsha:", "usec="); }
+  void reset() {
+    for (std::size_t i = 0; i < nodes_.size(); ++i) run(i, {"CONFIG", "RESETSTAT"});
   }
-  void reset() { run({"CONFIG", "RESETSTAT"}); }
 
 private:
-  std::unique_ptr<redisContext, void (*)(redisContext*)> c_;
+  long sum_field(const char* stat, const char* field) {
+    long total = 0;
+    for (std::size_t i = 0; i < nodes_.size(); ++i) {
+      const std::string info = run(i, {"INFO", "commandstats"});
+      const auto at = info.find(stat);
+      if (at == std::string::npos) continue;
+      total += std::atol(info.c_str() + info.find(field, at) + std::strlen(field));
+    }
+    return total;
+  }
+  std::vector<std::unique_ptr<redisContext, void (*)(redisContext*)>> nodes_;
+  std::vector<std::string> names_;
 };
 
 struct Phase {
@@ -230,6 +301,7 @@ Args parse(int argc, char** argv) {
       return argv[++i];
     };
     if (k == "--host") a.host = next();
+    else if (k == "--url") a.url = next();
     else if (k == "--port") a.port = std::atoi(next());
     else if (k == "--messages") a.messages = std::atol(next());
     else if (k == "--batch") a.batch = std::atol(next());
@@ -264,6 +336,7 @@ int main(int argc, char** argv) try {
   idem::RedisOptions o;
   o.host = a.host;
   o.port = a.port;
+  o.url = a.url;
   o.pool.size = 16;
   o.command_timeout = 10s;
   o.min_replica_acks = a.acks;
@@ -275,14 +348,30 @@ int main(int argc, char** argv) try {
     std::stringstream source;
     source << in.rdbuf();
     if (!in) throw std::runtime_error("bench: cannot read " IDEM_REDIS_LUA_DIR "/acquire.lua");
-    std::printf("%s\n", Admin(a.host, a.port).run({"SCRIPT", "LOAD", source.str()}).c_str());
+    std::string where = a.host + ":" + std::to_string(a.port);
+    idem::RedisOptions conn = o;
+    if (!a.url.empty()) {  // the client finds the server(s): every master of a cluster
+      const idem::RedisClient client(o);
+      where = client.address();
+      conn = client.options();
+    }
+    Admin nodes(where, conn);
+    std::string sha;
+    for (std::size_t i = 0; i < nodes.size(); ++i) {
+      std::string got;
+      if (!nodes.try_run(i, {"SCRIPT", "LOAD", source.str()}, &got) || (!sha.empty() && got != sha))
+        throw std::runtime_error("bench: SCRIPT LOAD on " + nodes.name(i) + " answered " + got);
+      sha = got;
+    }
+    std::printf("%s\n", sha.c_str());
     return 0;
   }
-  Admin admin(a.host, a.port);
+  const auto client = std::make_shared<idem::RedisClient>(o);
+  Admin admin(client->address(), client->options());
   if (a.acks > 0 && admin.online_replicas() < a.acks)  // else every write fails with durability_error
     throw std::runtime_error("bench: --acks " + std::to_string(a.acks) + " but the server has " +
                              std::to_string(admin.online_replicas()) + " replica(s) online");
-  idem::RedisStore store(o);
+  idem::RedisStore store(client);
   const auto runs = [&](const char* phase) { return a.phases.count(phase) != 0; };
   const std::string run = std::to_string(Clock::now().time_since_epoch().count() % 1'000'000'007);
 
@@ -419,7 +508,7 @@ int main(int argc, char** argv) try {
       auto r = store.acquire(k, p);
       store.complete(k, r.holder, "", 24h);
       std::printf("MEMORY key_bytes=%zu bytes=%s\n", store.redis_key(k).size(),
-                  admin.run({"MEMORY", "USAGE", store.redis_key(k), "SAMPLES", "0"}).c_str());
+                  admin.run_anywhere({"MEMORY", "USAGE", store.redis_key(k), "SAMPLES", "0"}).c_str());
     }
   }
   return 0;
