@@ -145,6 +145,7 @@ void Cluster::refresh() {
       std::lock_guard lock(mu_);
       owner_ = owner;
       masters_ = std::move(masters);
+      master_clients_.assign(masters_.size(), nullptr);
       last_refresh_ = std::chrono::steady_clock::now();
       refreshes_.fetch_add(1);
       return;
@@ -191,18 +192,27 @@ std::shared_ptr<Client> Cluster::node_of(int slot) {
     throw usage_error("idem: internal: a Redis Cluster call without its key's slot");
   refresh_if_stale();
   Endpoint at;
+  int i;
   {
+    // The hot path: one lock, the master's client by index (no name built, no map searched).
     std::lock_guard lock(mu_);
-    const int i = owner_[static_cast<std::size_t>(slot)];
-    if (i >= 0) at = masters_[static_cast<std::size_t>(i)];
+    i = owner_[static_cast<std::size_t>(slot)];
+    if (i >= 0) {
+      if (const auto& c = master_clients_[static_cast<std::size_t>(i)]) return c;
+      at = masters_[static_cast<std::size_t>(i)];
+    }
   }
-  if (at.port == 0) {
+  if (i < 0) {
     suspect();
     throw store_error("idem: no master serves slot " + std::to_string(slot) +
                           " in the Redis Cluster's map (a failover under way?); retry later",
                       "CLUSTERDOWN", true);
   }
-  return node_at(at);
+  std::shared_ptr<Client> c = node_at(at);
+  std::lock_guard lock(mu_);
+  const auto u = static_cast<std::size_t>(i);
+  if (u < masters_.size() && masters_[u].host == at.host && masters_[u].port == at.port) master_clients_[u] = c;
+  return c;
 }
 
 template <class Send>
@@ -254,7 +264,10 @@ void Cluster::moved(const Redirect& to) {
     std::lock_guard lock(mu_);
     auto it = std::find_if(masters_.begin(), masters_.end(),
                            [&](const Endpoint& m) { return m.host == to.to.host && m.port == to.to.port; });
-    if (it == masters_.end()) it = masters_.insert(masters_.end(), to.to);
+    if (it == masters_.end()) {
+      it = masters_.insert(masters_.end(), to.to);
+      master_clients_.push_back(nullptr);
+    }
     owner_[static_cast<std::size_t>(to.slot)] = static_cast<std::int16_t>(it - masters_.begin());
   }
   suspect();  // slots move together: read the whole map again (at most every 50 ms)

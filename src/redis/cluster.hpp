@@ -91,6 +91,7 @@ private:
   mutable std::mutex mu_;                                     // guards everything below but the atomics
   std::array<std::int16_t, slot_count> owner_{};              // index into masters_; -1 = no master
   std::vector<Endpoint> masters_;
+  std::vector<std::shared_ptr<Client>> master_clients_;  // by index into masters_, filled on first use
   std::unordered_map<std::string, std::shared_ptr<Client>> nodes_;  // by describe(endpoint)
   std::chrono::steady_clock::time_point last_refresh_{};
 
