@@ -3,6 +3,17 @@
 
 idem_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
+# idem_help "$@" — with -h or --help, prints the calling script's leading comment block (its
+# usage) and exits; every script calls it first.
+idem_help() {
+  case "${1:-}" in
+    -h | --help)
+      awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
+      exit 0
+      ;;
+  esac
+}
+
 # ensure_packages PKG... — apt-get install the ones dpkg does not report as installed.
 ensure_packages() {
   local missing=()

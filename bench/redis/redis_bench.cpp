@@ -41,7 +41,7 @@ struct Args {
   int batch_threads = 2;
   int repeat = 3;
   int acks = 0;  // RedisOptions::min_replica_acks
-  std::set<std::string> phases{"guard", "takeover", "batch", "gate", "memory"};
+  std::set<std::string> phases{"guard", "takeover", "batch", "run_batch", "gate", "memory"};
   bool print_sha = false;
 };
 
@@ -69,7 +69,7 @@ constexpr const char* usage =
     "                       WAIT N 500 with every write transition (replica_ack_timeout 500 ms,\n"
     "                       command_timeout 10 s) and needs N replicas online (INFO replication; on\n"
     "                       every master with a cluster URL)\n"
-    "  --phases LIST        comma-separated subset of guard,takeover,batch,gate,memory (default all):\n"
+    "  --phases LIST        comma-separated subset of guard,takeover,batch,run_batch,gate,memory (default all):\n"
     "                       guard = new keys and duplicates at 1 and 16 in flight\n"
     "  --print-sha          load the acquire script (on every master with a cluster URL), print its\n"
     "                       SHA1 (for redis-benchmark) and exit\n"
@@ -313,7 +313,7 @@ Args parse(int argc, char** argv) {
       std::stringstream list(next());
       for (std::string p; std::getline(list, p, ',');) {
         if (p != "guard" && p != "takeover" && p != "batch" && p != "gate" && p != "memory")
-          throw std::runtime_error("bench: unknown phase '" + p + "' (guard, takeover, batch, gate, memory)");
+          throw std::runtime_error("bench: unknown phase '" + p + "' (guard, takeover, batch, run_batch, gate, memory)");
         a.phases.insert(p);
       }
     } else if (k == "--print-sha") a.print_sha = true;
@@ -482,6 +482,52 @@ int main(int argc, char** argv) try {
       best_batch = rep == 0 ? ph : best(best_batch, ph);
     }
     report(best_batch);
+  }
+
+  // IdempotencyGuard::run_batch with a no-op handler, batch_threads callers, at batch sizes 1, 10,
+  // 100 and 500: new keys, then the same keys again as duplicates.
+  if (runs("run_batch")) {
+    idem::IdempotencyGuard guard(store, {.lease = 30s, .retention = 1h});
+    for (const long size : {1L, 10L, 100L, 500L}) {
+      const long total = size == 1 ? a.messages : a.messages * 5;
+      Phase best_new, best_dup;
+      for (int rep = 0; rep < a.repeat; ++rep) {
+        const auto kb = make_keys("rb" + run + "r" + std::to_string(rep) + "s" + std::to_string(size) + ":", total);
+        for (const bool dup : {false, true}) {
+          std::atomic<long> unexpected{0};
+          std::atomic<long> next{0};
+          admin.reset();
+          const auto t0 = Clock::now();
+          std::vector<std::thread> ts;
+          for (int t = 0; t < a.batch_threads; ++t)
+            ts.emplace_back([&] {
+              std::vector<idem::BatchItem> items;
+              for (;;) {
+                const long from = next.fetch_add(size);
+                if (from >= total) break;
+                items.clear();
+                for (long i = from; i < std::min(total, from + size); ++i) items.push_back({kb[static_cast<std::size_t>(i)], {}});
+                try {
+                  auto r = guard.run_batch(items, [](const idem::BatchItem&) {});
+                  for (std::size_t i = 0; i < items.size(); ++i)
+                    if (r.errors[i] || r.outcomes[i].status != (dup ? idem::Status::duplicate : idem::Status::executed))
+                      unexpected.fetch_add(1);
+                } catch (const std::exception& e) {
+                  note_error(unexpected, e);
+                }
+              }
+            });
+          for (auto& t : ts) t.join();
+          Phase ph{"run_batch" + std::to_string(size) + (dup ? "_dup" : "_new") + "_t" + std::to_string(a.batch_threads),
+                   total, std::chrono::duration<double>(Clock::now() - t0).count(), admin.client_calls(),
+                   unexpected.load(), admin.evalsha_usec(), admin.wait_calls()};
+          Phase& b = dup ? best_dup : best_new;
+          b = rep == 0 ? ph : best(b, ph);
+        }
+      }
+      report(best_new);
+      report(best_dup);
+    }
   }
 
   // SequenceGate, 1 in flight: complete_advance (one script) against the two-step fallback.
