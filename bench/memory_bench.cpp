@@ -72,7 +72,7 @@ double ops_per_sec(int threads, long ops_per_thread, Op op) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  long ops = 400'000;
+  long ops = 400'000;  // a multiple of 200: each thread's share fills whole batches of 100
   int reps = 5;
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--ops") ops = std::strtol(argv[i + 1], nullptr, 10);
@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   };
   for (int threads : {1, 2}) {
     const long per = ops / threads;
-    std::vector<double> base, fresh, dup, hit;
+    std::vector<double> base, fresh, dup, hit, bfresh, bdup;
     for (int r = 0; r < reps; ++r) {
       RawShardedMap raw;
       base.push_back(ops_per_sec(threads, per, [&](const std::string& k) { raw.insert(k); }));
@@ -102,6 +102,23 @@ int main(int argc, char** argv) {
       fresh.push_back(ops_per_sec(threads, per, [&](const std::string& k) { guard.run(k, [] {}); }));
       // Same keys again: every run is now a duplicate answered by the store.
       dup.push_back(ops_per_sec(threads, per, [&](const std::string& k) { guard.run(k, [] {}); }));
+
+      // The same keys through run_batch, 100 per batch (a per-thread buffer; ops per thread are a
+      // multiple of 100).
+      idem::MemoryStore bstore({.shards = 64, .max_records = 0});
+      idem::IdempotencyGuard bguard(bstore, {.retention = std::chrono::hours{1}});
+      auto batched = [&](const std::string& k) {
+        thread_local std::vector<std::string> keys;
+        thread_local std::vector<idem::BatchItem> items;
+        keys.push_back(k);
+        if (keys.size() < 100) return;
+        items.clear();
+        for (const auto& s : keys) items.push_back({s, {}});
+        bguard.run_batch(items, [](const idem::BatchItem&) {});
+        keys.clear();
+      };
+      bfresh.push_back(ops_per_sec(threads, per, batched));
+      bdup.push_back(ops_per_sec(threads, per, batched));
 
       idem::MemoryStore cstore({.shards = 64, .max_records = 0});
       idem::IdempotencyGuard cached(cstore, {.retention = std::chrono::hours{1}, .cache_capacity = 1u << 20});
@@ -114,9 +131,13 @@ int main(int argc, char** argv) {
       double v;
     } rows[] = {{"new key (acquire+complete)", median(fresh)},
                 {"duplicate (one store lookup)", median(dup)},
-                {"duplicate from in-process cache", median(hit)}};
+                {"duplicate from in-process cache", median(hit)},
+                {"new key, run_batch of 100", median(bfresh)},
+                {"duplicate, run_batch of 100", median(bdup)}};
     for (const auto& row : rows)
       std::printf("%-8d %-34s %14.0f %14.0f %8.2f\n", threads, row.name, row.v, b, row.v / b);
+    std::printf("%-8d run_batch of 100 / run, per item: new keys %.2f, duplicates %.2f\n", threads,
+                median(bfresh) / median(fresh), median(bdup) / median(dup));
   }
   return 0;
 }
