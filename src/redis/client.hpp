@@ -6,6 +6,7 @@
 // format requests and parse replies.
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -300,6 +301,7 @@ private:
   mutable std::mutex master_mu_;         // guards master_ and first_sentinel_, serialises discovery
   mutable Endpoint master_;              // Sentinel mode: the master last discovered
   mutable std::size_t first_sentinel_ = 0;
+  mutable std::chrono::steady_clock::time_point last_discovery_{};
   mutable std::atomic<std::uint64_t> epoch_{0};
   mutable std::atomic<bool> rediscover_;  // Sentinel mode: ask the sentinels before the next connection
   mutable std::atomic<std::uint64_t> discoveries_{0};

@@ -2,6 +2,7 @@
 // again, with a new pool generation, whenever the client doubts it (suspect()).
 
 #include <charconv>
+#include <chrono>
 #include <string>
 
 #include "client.hpp"
@@ -9,11 +10,17 @@
 
 namespace idem::detail::redis {
 
+// Sentinels are asked at most this often: during a failover every call fails and suspects the
+// master, and many consumers asking the same sentinels on every failure is load, not information.
+constexpr auto min_discovery_interval = std::chrono::milliseconds(100);
+
 std::pair<Endpoint, std::uint64_t> Client::master() const {
   std::lock_guard lock(master_mu_);
-  if (rediscover_.load()) {
+  const auto now = std::chrono::steady_clock::now();
+  if (rediscover_.load() && (master_.host.empty() || now - last_discovery_ >= min_discovery_interval)) {
     // Cleared before asking, so a failure that happens meanwhile sets it again.
     rediscover_.store(false);
+    last_discovery_ = now;
     try {
       master_ = discover();
     } catch (...) {
