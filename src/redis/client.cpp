@@ -23,6 +23,14 @@ namespace idem {
 
 namespace detail::redis {
 
+void add_auth(Pipeline& p, const std::string& user, const std::string& password) {
+  if (password.empty()) return;
+  Command auth;
+  auth.arg("AUTH");
+  if (!user.empty()) auth.arg(user);
+  p.add(auth.arg(password).format());
+}
+
 std::string describe(const Endpoint& e) {
   if (e.port == 0) return e.host;
   return e.host.find(':') != std::string::npos ? "[" + e.host + "]:" + std::to_string(e.port)
@@ -164,12 +172,7 @@ Client::Connection Client::connect() const {
   const char* role = sentinels_.empty() ? "Redis" : "the Redis master";
   ContextPtr c = open(to, role);
   Pipeline hello;
-  if (!opt_.password.empty()) {
-    Command auth;
-    auth.arg("AUTH");
-    if (!opt_.user.empty()) auth.arg(opt_.user);
-    hello.add(auth.arg(opt_.password).format());
-  }
+  add_auth(hello, opt_.user, opt_.password);
   if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
   const bool check_role = !sentinels_.empty();
   if (check_role) hello.add(Command().arg("ROLE").format());

@@ -102,6 +102,8 @@ std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int defaul
 std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o);
 // The one write path: send(2) with MSG_NOSIGNAL until `data` is written or an error; the bytes written.
 std::size_t write_all(int fd, std::string_view data) noexcept;
+// AUTH [user] password onto `p`, when there is a password.
+void add_auth(Pipeline& p, const std::string& user, const std::string& password);
 // "host:port", "[v6]:port", or the socket path (port 0).
 std::string describe(const Endpoint& e);
 // A socket to `to` with connect_timeout and command_timeout set (connection_error naming `role`).

@@ -37,12 +37,7 @@ Endpoint Client::discover() const {
   Command ask;
   ask.arg("SENTINEL").arg("get-master-addr-by-name").arg(opt_.sentinel_master);
   Pipeline p;
-  if (!opt_.sentinel_password.empty()) {
-    Command auth;
-    auth.arg("AUTH");
-    if (!opt_.sentinel_user.empty()) auth.arg(opt_.sentinel_user);
-    p.add(auth.arg(opt_.sentinel_password).format());
-  }
+  add_auth(p, opt_.sentinel_user, opt_.sentinel_password);
   p.add(ask.format());
   std::string why;
   bool any_answer = false;
