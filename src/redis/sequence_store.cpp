@@ -119,19 +119,9 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   detail::check_holder(key, h);
   detail::check_lease(retention, "retention");
   Client& c = impl();
-  // One script writes both keys, so both stores must run on one client (hence one server and db).
-  if (store.client() != client())
-    throw usage_error("idem: this RedisSequenceStore and the RedisStore it completes for run on different "
-                      "RedisClients; build the sequence store from the store (RedisSequenceStore{store})");
   auto what = [&] { return "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'"; };
-  // One script, two keys: on a cluster they must share a slot, which the entity's hash tag in the
-  // key gives. Refused here rather than answered CROSSSLOT by the server.
+  check_complete_advance(store, key, entity);
   const int slot = entity_slot(c, entity);
-  if (slot >= 0 && c.slot_of({c.options().key_prefix, key}) != slot)
-    throw usage_error("idem: on a Redis Cluster the key '" + printable(key) + "' and the sequence of entity '" +
-                      printable(entity) + "' must hash to one slot (one script writes both): put the entity's hash tag "
-                      "in the key, as '{" + printable(entity) + "}:" + printable(key) +
-                      "' (a key's first {...} decides its slot); or complete and advance in two steps");
   Command cmd = Client::evalsha(Script::complete_advance, 2);
   cmd.joined({c.options().key_prefix, key});
   entity_key(cmd, c.options(), entity).arg(h.fence).token(h.token).arg(result).arg(retention.count()).arg(seq);
@@ -152,6 +142,22 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
     throw_reply_error(prev, what() + " (the result was recorded; the sequence key is not a string)", sequence_hints);
   out.advance = advance_result(code, prev, entity, seq, what);
   return out;
+}
+
+void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_view key, std::string_view entity) {
+  Client& c = impl();
+  // One script writes both keys, so both stores must run on one client (hence one server and db).
+  if (store.client() != client())
+    throw usage_error("idem: this RedisSequenceStore and the RedisStore it completes for run on different "
+                      "RedisClients; build the sequence store from the store (RedisSequenceStore{store})");
+  // On a cluster the two keys must share a slot, which the entity's hash tag in the key gives.
+  // Refused here rather than answered CROSSSLOT by the server.
+  const int slot = entity_slot(c, entity);
+  if (slot >= 0 && c.slot_of({c.options().key_prefix, key}) != slot)
+    throw usage_error("idem: on a Redis Cluster the key '" + printable(key) + "' and the sequence of entity '" +
+                      printable(entity) + "' must hash to one slot (one script writes both): put the entity's hash tag "
+                      "in the key, as '{" + printable(entity) + "}:" + printable(key) +
+                      "' (a key's first {...} decides its slot); or complete and advance in two steps");
 }
 
 bool RedisSequenceStore::erase(std::string_view entity) {

@@ -164,7 +164,7 @@ ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
 // client sends each master its share.
 template <class Out, class Item, class KeyOf, class Encode, class Parse>
 std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items, const KeyOf& key_of,
-                           const Encode& encode, const Parse& parse) {
+                           const Encode& encode, const Parse& parse, std::size_t chunk = batch_chunk) {
   const std::string_view name = script(s).name;
   const std::string& prefix = client.options().key_prefix;
   std::vector<std::size_t> order(items.size());
@@ -184,7 +184,7 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
   std::vector<int> run_slots;
   for (std::size_t from = 0; from < order.size();) {
     std::size_t n = 1;
-    while (from + n < order.size() && n < batch_chunk &&
+    while (from + n < order.size() && n < chunk &&
            (slot_of_item.empty() || slot_of_item[order[from + n]] == slot_of_item[order[from]]))
       ++n;
     runs.push_back({from, n});
@@ -199,7 +199,16 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
     encode(cmd, idx);
     pipeline.add(cmd.format());
   }
-  std::vector<ReplyPtr> replies = client.eval_many(s, pipeline, run_slots, store_hints, resend_of(s));
+  std::vector<ReplyPtr> replies;
+  try {
+    replies = client.eval_many(s, pipeline, run_slots, store_hints, resend_of(s));
+  } catch (const store_error& e) {
+    // A slot half migrated bounces a script of several of its keys between ASK (some keys left)
+    // and TRYAGAIN (some not arrived). One key per script always runs somewhere, so the batch is
+    // sent again that way; what already ran answers as done (the same token or holder asks again).
+    if (e.code() != "REDIRECTS" || chunk == 1) throw;
+    return run_batch<Out>(client, s, items, key_of, encode, parse, 1);
+  }
   std::vector<std::optional<Out>> placed(items.size());
   for (std::size_t c = 0; c < replies.size(); ++c) {
     const redisReply* r = replies[c].get();

@@ -63,6 +63,11 @@ public:
   CompleteAdvanceResult complete_advance(RedisStore& store, std::string_view key, const Holder& h,
                                          std::string_view result, millis retention, std::string_view entity,
                                          std::uint64_t seq);
+  /// What complete_advance(store, key, ..., entity, ...) would refuse before sending, checked
+  /// before the run starts (SequenceGate calls it before acquiring, so a refused event never runs
+  /// its handler): `store` on another client, or on a cluster the key and the entity's sequence in
+  /// two slots (usage_error naming the hash tag to use).
+  void check_complete_advance(RedisStore& store, std::string_view key, std::string_view entity);
   /// Deletes the entity's sequence (its next event of any sequence applies); true if it existed.
   /// For tests and for deleting an entity for good, never to "fix" a stale event.
   bool erase(std::string_view entity);

@@ -93,6 +93,9 @@ public:
     }
     std::optional<AdvanceResult> combined;  // set when the completion advanced in the same step
     if constexpr (CompletesWithAdvance<Seq, Store>) {
+      // Refused before the claim, not after the handler ran (its effect would run again on
+      // every redelivery, and be refused again).
+      if constexpr (ChecksCompleteAdvance<Seq, Store>) store_->check_complete_advance(guard.store(), ev.key, ev.entity);
       auto complete = [&](const Holder& h, std::string_view encoded, millis retention) {
         CompleteAdvanceResult r =
             store_->complete_advance(guard.store(), ev.key, h, encoded, retention, ev.entity, ev.seq);

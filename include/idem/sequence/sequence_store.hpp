@@ -69,6 +69,14 @@ concept CompletesWithAdvance = requires(Seq& q, Store& s, std::string_view key, 
   { q.complete_advance(s, key, h, result, retention, key, seq) } -> std::same_as<CompleteAdvanceResult>;
 };
 
+/// A CompletesWithAdvance sequence store that can say before a run whether complete_advance will
+/// take this key and entity (`q.check_complete_advance(s, key, entity)` throws usage_error if
+/// not): SequenceGate asks before acquiring, so a refused event never runs its handler.
+template <class Seq, class Store>
+concept ChecksCompleteAdvance = requires(Seq& q, Store& s, std::string_view key) {
+  q.check_complete_advance(s, key, key);
+};
+
 /// A sequence store that can advance inside the open transaction of a TransactionalStore
 /// (PostgresSequenceStore with a transactional-mode PostgresStore): the advance commits or rolls
 /// back with the handler's writes. SequenceGate uses it whenever `store.transactional()` is true.
