@@ -316,6 +316,8 @@ public:
     explicit Stream(Client& c) : c_(&c) {}
     void send(Script s, std::string_view req);
     std::vector<ReplyPtr> finish(const ReplyErrorHints& hints);
+    // A write could not be sent: the connection broke (or none could be had).
+    [[nodiscard]] bool broken() const noexcept { return broken_; }
 
   private:
     Client* c_;
@@ -335,6 +337,8 @@ public:
   Writes(Writes&&) noexcept;
   void send(Script s, const Request& req, int slot);
   std::vector<ReplyPtr> finish(const ReplyErrorHints& hints);
+  // A write could not be sent to its server (or routed): the store is not taking them now.
+  [[nodiscard]] bool broken() const noexcept;
 
 private:
   struct Impl;

@@ -351,6 +351,8 @@ std::vector<WriteStatus> RedisStore::BatchWriter::finish() {
   return out;
 }
 
+bool RedisStore::BatchWriter::broken() const noexcept { return impl_->writes.broken(); }
+
 RedisStore::BatchWriter RedisStore::batch_writer() {
   Client& c = impl();
   return BatchWriter(std::unique_ptr<BatchWriter::Impl>(new BatchWriter::Impl{&c, Writes(c), {}}));

@@ -85,7 +85,15 @@ struct Writes::Impl {
   };
   std::vector<Sent> sent;
   std::vector<std::size_t> per_stream;
+  bool unroutable = false;  // a write found no master
 };
+
+bool Writes::broken() const noexcept {
+  if (impl_->unroutable) return true;
+  for (const auto& s : impl_->streams)
+    if (s.second->broken()) return true;
+  return false;
+}
 
 Writes::Writes(Client& c) : impl_(std::make_unique<Impl>()) { impl_->client = &c; }
 Writes::~Writes() = default;
@@ -99,6 +107,7 @@ void Writes::send(Script s, const Request& req, int slot) {
       node = m.client->cluster_owner(slot);
     } catch (const error&) {
       // No master for it now: finish() routes it alone (and reports what that gets).
+      m.unroutable = true;
       m.sent.push_back({s, std::string(req.view()), slot, static_cast<std::size_t>(-1), 0});
       return;
     }

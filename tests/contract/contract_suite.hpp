@@ -526,6 +526,20 @@ void batch_mixed_items(F& f) {
   REQUIRE(rec);
   CHECK(rec->state == State::failed);
   CHECK(rec->attempts == 2);
+
+  // A repeat with another payload is a mismatch, as run() would say; a bad key is its item's
+  // error alone (dead-letter), the others still run.
+  const auto new3 = f.key("b-new3");
+  const std::vector<BatchItem> third{{new3, "p1"}, {new3, "p2"}, {"", ""}, {new3, "p1"}};
+  ran.clear();
+  auto r3 = guard.run_batch(third, handler);
+  CHECK(ran == std::vector<std::string>{new3});
+  CHECK(r3.outcomes[0].status == Status::executed);
+  CHECK(r3.outcomes[1].status == Status::mismatch);
+  REQUIRE(r3.errors[2]);
+  CHECK_THROWS_AS(std::rethrow_exception(r3.errors[2]), invalid_key_error);
+  CHECK(r3.action(2) == BrokerAction::dead_letter);
+  CHECK(r3.outcomes[3].status == Status::duplicate);
 }
 
 // A lapsed lease inside a batch is taken over with fence + 1; stop_at_first_error leaves the rest.

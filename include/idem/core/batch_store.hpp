@@ -22,7 +22,9 @@ struct AcquireRequest {
  * the request is on its way (or, for an in-process store, done) — and `finish()` waits for every
  * answer and returns them in the order the writes were made. A write whose answer is lost is
  * asked again once as the same holder, as the single calls do; what cannot be settled throws
- * from finish() (store_error, outcome_unknown_error). One batch, one thread: not thread-safe.
+ * from finish() (store_error, outcome_unknown_error). A writer may also say `broken()` (a write
+ * could not be sent): run_batch then runs no more handlers, whose effects could not be recorded.
+ * One batch, one thread: not thread-safe.
  */
 template <class W>
 concept BatchWriter = requires(W& w, std::string_view key, const Holder& h, std::string_view result,

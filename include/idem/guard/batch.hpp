@@ -35,13 +35,16 @@ struct BatchOutcome {
   std::vector<std::exception_ptr> errors;
 
   /// The broker action for item i: its outcome's, or for an error: requeue, except the errors that
-  /// say to ack (result_not_stored_error: the effect ran and will not run again).
+  /// say otherwise (result_not_stored_error: the effect ran and will not run again, ack;
+  /// invalid_key_error: no redelivery can help, dead-letter).
   [[nodiscard]] BrokerAction action(std::size_t i) const {
     if (!errors[i]) return outcomes[i].action();
     try {
       std::rethrow_exception(errors[i]);
     } catch (const result_not_stored_error&) {
       return BrokerAction::ack;
+    } catch (const invalid_key_error&) {
+      return BrokerAction::dead_letter;
     } catch (...) {
       return BrokerAction::requeue;
     }

@@ -26,12 +26,19 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
   static_assert(std::is_void_v<R> || Encodable<R>,
                 "idem: the handler's result type needs an idem::codec<T> specialisation (see codec.hpp)");
   const std::size_t n = items.size();
-  for (const BatchItem& it : items) detail::check_key(it.key, options_.max_key_bytes);
   const auto started = std::chrono::steady_clock::now();
 
   BatchOutcome<R> res;
   res.outcomes.resize(n);
   res.errors.resize(n);
+  // A bad key is that item's error (dead-letter it), not the batch's: the others still run.
+  std::vector<bool> bad(n, false);
+  for (std::size_t i = 0; i < n; ++i) try {
+      detail::check_key(items[i].key, options_.max_key_bytes);
+    } catch (const invalid_key_error&) {
+      res.errors[i] = std::current_exception();
+      bad[i] = true;
+    }
   std::vector<std::string> fps(n);
   for (std::size_t i = 0; i < n; ++i)
     if (!items[i].payload.empty()) fps[i] = fingerprint(items[i].payload);
@@ -42,7 +49,8 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
   {
     std::unordered_map<std::string_view, std::size_t> seen;
     for (std::size_t i = 0; i < n; ++i)
-      if (auto [at, fresh] = seen.try_emplace(items[i].key, i); !fresh) first_of[i] = at->second;
+      if (bad[i]) continue;
+      else if (auto [at, fresh] = seen.try_emplace(items[i].key, i); !fresh) first_of[i] = at->second;
   }
   auto for_item = [&](std::size_t i) {
     return [&handler, &item = items[i]](const context_type& ctx) -> decltype(auto) {
@@ -65,7 +73,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
 
   std::vector<std::size_t> todo;  // first occurrences the cache did not answer
   for (std::size_t i = 0; i < n; ++i) {
-    if (first_of[i] != none) continue;
+    if (first_of[i] != none || bad[i]) continue;
     if (cache_) {
       if (auto hit = cache_->get(items[i].key)) {
         Outcome<R>& out = res.outcomes[i];
@@ -151,6 +159,17 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
         if (ar.status == AcquireStatus::in_flight && options_.wait_for_in_flight > millis{0}) waiting.push_back(i);
         continue;
       }
+      // The store stopped taking the batch's writes (the connection broke): a handler run now
+      // could not be recorded, and its effect would run again after the lease. The rest are left
+      // unrun; their claims lapse after the lease and the redelivery takes them.
+      if constexpr (requires { writer.broken(); }) {
+        if (writer.broken()) {
+          kept[k].reset();
+          out.status = Status::in_flight;
+          out.retry_after = options_.lease;
+          continue;
+        }
+      }
       if (stopped) {
         // Stop at the first error: released without counting a failure, redelivered later.
         kept[k].reset();
@@ -223,13 +242,23 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
     for (std::size_t i : waiting) run_one(i);  // in_flight: polled as run() polls, one by one
   }
 
-  // Repeats of a key: the first item settled it; a run there is a duplicate here.
+  // Repeats of a key: the first item settled it. A run there is a duplicate here; a different
+  // payload is a mismatch, as run() would answer; an error there is a redelivery here (the error
+  // is reported once, on the first).
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t f = first_of[i];
     if (f == none) continue;
-    res.outcomes[i] = res.outcomes[f];
-    res.errors[i] = res.errors[f];
-    if (res.outcomes[i].status == Status::executed) res.outcomes[i].status = Status::duplicate;
+    Outcome<R>& out = res.outcomes[i];
+    if (!fps[i].empty() && !fps[f].empty() && fps[i] != fps[f]) {
+      out = Outcome<R>{};
+      out.status = Status::mismatch;
+    } else if (res.errors[f]) {
+      out = Outcome<R>{};
+      out.status = Status::in_flight;
+    } else {
+      out = res.outcomes[f];
+      if (out.status == Status::executed) out.status = Status::duplicate;
+    }
   }
   if (options_.observer) {
     const auto took = std::chrono::steady_clock::now() - started;

@@ -107,7 +107,10 @@ public:
   /// once and the repeats answer duplicate. On a BatchStore the acquisitions take one call and each
   /// item's completion is sent as soon as its handler returns, the answers collected at the end;
   /// other stores run one call per item. A transactional store runs one transaction per item.
-  /// Throws only what concerns the whole batch (a bad key, the acquisition failing).
+  /// The handler gets `items[i]` itself, so `&item - items.data()` is its index. A bad key is its
+  /// item's error (invalid_key_error: dead-letter); if the store stops taking the batch's writes,
+  /// the handlers not yet run are not run (in_flight: redeliver). Throws only what concerns the
+  /// whole batch (the acquisition failing: no handler ran).
   template <class F>
   auto run_batch(std::span<const BatchItem> items, F&& handler, BatchOptions batch = {});
 

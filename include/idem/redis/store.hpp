@@ -91,6 +91,8 @@ public:
     void fail(std::string_view key, const Holder& h, const FailParams& f);
     /// Every answer, in the order of the writes; throws what a write could not settle.
     std::vector<WriteStatus> finish();
+    /// A write could not be sent (the connection broke): run_batch runs no more handlers.
+    [[nodiscard]] bool broken() const noexcept;
 
   private:
     friend class RedisStore;
