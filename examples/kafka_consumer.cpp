@@ -1,5 +1,5 @@
 // kafka_consumer: a starting template for a Kafka consumer with exactly-once effects
-// (librdkafka C API + IdempotencyGuard). Copy KafkaConsumer and put your logic in process(), at
+// (librdkafka C API + IdempotencyGuard). Copy KafkaConsumer and put your logic in apply(), at
 // "YOUR LOGIC GOES HERE".
 //
 //   idem_kafka_consumer --brokers HOST:PORT --topic payments --group payments-svc [--dlq payments.dlq]
@@ -19,9 +19,17 @@
 //    the message was written to the dead-letter topic (a write keyed in the guard too, so that a
 //    redelivery does not write it again); stored offsets are *committed* every
 //    commit_every acks / commit_interval, in the revoke callback, and at shutdown.
-//  * InFlight (another consumer holds the key) or a handler exception: the partition is paused,
-//    the rest of its batch dropped, and after retry_after the consumer seeks back to the message
-//    and resumes, so nothing after it is committed before it is done (Kafka has no per-message nack).
+//  * Each poll batch goes through guard.run_batch: the handlers run in poll order (on a store with
+//    a batch path, the acquisitions of the batch take one call) and every message gets the outcome
+//    guard.run would give it. Then each partition's messages are settled in offset order: the
+//    settled prefix (acked, or written to the dead-letter topic) has its offset stored; the first
+//    message to retry (in_flight: another consumer holds the key; a handler exception; a store
+//    error) pauses the partition, and after retry_after the consumer seeks back to it and resumes
+//    (Kafka has no per-message nack), so nothing after it is committed before it is done. The
+//    messages after it in that batch ran already: the seek back redelivers them as duplicates. So
+//    within a partition a later message's effect can happen before an earlier one's retry. The
+//    keys of a batch are claimed together: a consumer that dies mid-batch leaves them claimed
+//    until their lease lapses, and the partition's next owner waits (in_flight) until then.
 //  * Rebalance: on revoke, commit what is done and drop what was polled but not processed for the
 //    revoked partitions; the new owner starts from the committed offset. Whatever was processed
 //    but not committed is redelivered there and answered as a Duplicate by the guard.
@@ -41,6 +49,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -244,10 +253,8 @@ public:
         batch.push_back({m, m->err ? 0 : epoch_of(m->partition)});
       }
       if (s_.selftest_hold_batch) selftest_hold_until_revoke(batch);
-      for (auto& p : batch) {
-        process(p);
-        rd_kafka_message_destroy(p.msg);
-      }
+      process(batch);
+      for (auto& p : batch) rd_kafka_message_destroy(p.msg);
       if (uncommitted_ > 0 &&
           (uncommitted_ >= s_.commit_every || SteadyClock::now() - last_commit_ >= s_.commit_interval))
         commit(/*async=*/true);
@@ -291,94 +298,155 @@ private:
     return it == parts_.end() ? 0 : it->second.epoch;
   }
 
-  void process(const Polled& p) {
-    rd_kafka_message_t* m = p.msg;
-    if (m->err) {
-      if (m->err != RD_KAFKA_RESP_ERR__PARTITION_EOF)
-        std::fprintf(stderr, "[%s] consumer error: %s\n", s_.client_id.c_str(), rd_kafka_message_errstr(m));
-      return;
+  // ---- YOUR LOGIC GOES HERE. It runs at most once per payment id (see docs/guarantees.md for the
+  // crash window between the effect and the completion; ctx.fence can fence downstream writes).
+  // The value returned is recorded and replayed to duplicates (out.value).
+  long apply(const Payment& pay, const idem::Context& ctx) {
+    if (s_.handler_delay > idem::millis{0}) std::this_thread::sleep_for(s_.handler_delay);
+    ledger_.apply(pay);
+    return static_cast<long>(ctx.fence);
+  }
+
+  static std::string_view value_of(const rd_kafka_message_t* m) {
+    return {static_cast<const char*>(m->payload), m->len};
+  }
+
+  // One poll batch: guard.run_batch over its payments, then each partition settled in offset order.
+  void process(const std::vector<Polled>& batch) {
+    struct Message {
+      const rd_kafka_message_t* msg;
+      std::optional<Payment> pay;  // nothing: unparsable, dead-lettered without running
+      std::size_t item = 0;        // its index in `items` (when pay)
+    };
+    std::vector<Message> todo;
+    for (const Polled& p : batch) {
+      const rd_kafka_message_t* m = p.msg;
+      if (m->err) {
+        if (m->err != RD_KAFKA_RESP_ERR__PARTITION_EOF)
+          std::fprintf(stderr, "[%s] consumer error: %s\n", s_.client_id.c_str(), rd_kafka_message_errstr(m));
+        continue;
+      }
+      auto it = parts_.find(m->partition);
+      if (it == parts_.end() || !it->second.owned || it->second.epoch != p.epoch) {
+        // Revoked (or sought back) after this message was polled: drop it. Its offset was not
+        // stored, so whoever owns the partition now receives it again from the committed offset.
+        stats_.dropped_after_revoke.fetch_add(1);
+        continue;
+      }
+      if (it->second.retry_offset) continue;  // the partition waits to seek back before this message
+      stats_.delivered.fetch_add(1);
+      todo.push_back({m, parse_payment(value_of(m))});
     }
-    auto it = parts_.find(m->partition);
-    if (it == parts_.end() || !it->second.owned || it->second.epoch != p.epoch) {
-      // Revoked (or sought back) after this message was polled: drop it. Its offset was not stored,
-      // so whoever owns the partition now receives it again from the committed offset.
-      stats_.dropped_after_revoke.fetch_add(1);
-      return;
+    std::vector<idem::BatchItem> items;  // key = the payment id; the whole value is fingerprinted
+    std::vector<const Payment*> pays;    // pays[k] is the payment of items[k]
+    for (Message& t : todo) {
+      if (!t.pay) continue;
+      t.item = items.size();
+      items.push_back({t.pay->id, value_of(t.msg)});
+      pays.push_back(&*t.pay);
     }
-    if (it->second.retry_offset) return;  // the partition waits to seek back before this message
-    stats_.delivered.fetch_add(1);
-    const std::string_view payload(static_cast<const char*>(m->payload), m->len);
-    const std::optional<Payment> pay = parse_payment(payload);
-    if (!pay) {  // can never succeed: straight to the dead-letter topic
-      // No event id to key on: the message's own coordinates identify it across redeliveries.
-      dead_letter(m, s_.topic + "/" + std::to_string(m->partition) + "@" + std::to_string(m->offset),
-                  "unparsable payload");
-      return;
+
+    std::optional<idem::BatchOutcome<long>> res;
+    std::exception_ptr batch_error;  // the batch as a whole failed: nothing ran
+    if (!items.empty()) {
+      try {
+        res = guard_.run_batch(items, [&](const idem::BatchItem& item, const idem::Context& ctx) {
+          return apply(*pays[static_cast<std::size_t>(&item - items.data())], ctx);  // item is items[k] itself
+        });
+      } catch (...) {
+        batch_error = std::current_exception();
+      }
     }
-    try {
-      auto out = guard_.run(pay->id, payload, [&](const idem::Context& ctx) {
-        // ---- YOUR LOGIC GOES HERE. It runs at most once per payment id (see docs/guarantees.md
-        // for the crash window between the effect and the completion; ctx.fence can fence
-        // downstream writes). Return a value to have it replayed to duplicates.
-        if (s_.handler_delay > idem::millis{0}) std::this_thread::sleep_for(s_.handler_delay);
-        ledger_.apply(*pay);
-        return static_cast<long>(ctx.fence);
-      });
-      // Broker action per outcome:
-      //   executed / duplicate / stale / lease_lost -> ack = store the offset (commit follows)
-      //   in_flight                                 -> pause, seek back after retry_after, resume
-      //   previously_failed / mismatch              -> write to the dead-letter topic, then store the offset
-      // lease_lost means the handler ran but another holder took the key over: ack, and alert.
+
+    // Per partition, in offset order: the settled prefix is stored, the first retry stops it.
+    struct Prefix {
+      const rd_kafka_message_t* last = nullptr;  // its offset + 1 is stored
+      int messages = 0;
+    };
+    std::map<std::int32_t, Prefix> settled;
+    for (const Message& t : todo) {
+      const rd_kafka_message_t* m = t.msg;
+      if (parts_[m->partition].retry_offset) continue;  // after a retry in this batch: redelivered by the seek back
+      std::optional<idem::millis> retry;
+      if (!t.pay)  // can never succeed: straight to the dead-letter topic, keyed on the message's coordinates
+        retry = dead_letter(m, s_.topic + "/" + std::to_string(m->partition) + "@" + std::to_string(m->offset),
+                            "unparsable payload");
+      else if (!res)
+        retry = pause_after(batch_error, t.pay->id);
+      else
+        retry = settle(*res, t.item, m, *t.pay);
+      if (retry) {
+        retry_later(m, *retry);
+        continue;
+      }
+      Prefix& prefix = settled[m->partition];
+      prefix.last = m;
+      ++prefix.messages;
+    }
+    for (const auto& [partition, prefix] : settled) store_offset(prefix.last, prefix.messages);
+  }
+
+  // Message m's run in the batch: nothing (settled: acked or dead-lettered) or the pause before
+  // seeking back to it.
+  std::optional<idem::millis> settle(const idem::BatchOutcome<long>& res, std::size_t k, const rd_kafka_message_t* m,
+                                     const Payment& pay) {
+    if (!res.errors[k]) {
+      const idem::Outcome<long>& out = res.outcomes[k];
       switch (out.status) {
-        case idem::Status::executed:
-          stats_.executed.fetch_add(1);
-          break;
-        case idem::Status::duplicate:
-          stats_.duplicates.fetch_add(1);
-          break;
-        case idem::Status::stale:
-          stats_.stale.fetch_add(1);
-          break;
-        case idem::Status::lease_lost:
+        case idem::Status::executed: stats_.executed.fetch_add(1); break;
+        case idem::Status::duplicate: stats_.duplicates.fetch_add(1); break;
+        case idem::Status::stale: stats_.stale.fetch_add(1); break;
+        case idem::Status::lease_lost:  // the handler ran but another holder took the key over: ack, and alert
           std::fprintf(stderr, "[%s] lease lost on %s: the handler outlived its lease\n", s_.client_id.c_str(),
-                       pay->id.c_str());
+                       pay.id.c_str());
           break;
-        default:
-          break;
+        default: break;
       }
-      switch (out.action()) {
-        case idem::BrokerAction::ack:
-          store_offset(m);
-          break;
-        case idem::BrokerAction::requeue:
-          retry_later(m, std::min(out.retry_after, s_.max_retry));
-          break;
-        case idem::BrokerAction::dead_letter:
-          // Keyed on the payload too: each distinct payload reusing an id is its own dead letter.
-          dead_letter(m, pay->id + ":" + idem::fingerprint(payload),
-                      out.status == idem::Status::mismatch ? "payload differs from the first delivery of this id"
-                                                           : "failed permanently: " + out.error);
-          break;
+    }
+    // Broker action per outcome:
+    //   executed / duplicate / stale / lease_lost -> ack = its offset may be stored (commit follows)
+    //   in_flight, an exception                   -> pause, seek back after the pause, resume
+    //   previously_failed / mismatch              -> write to the dead-letter topic, then ack
+    switch (res.action(k)) {
+      case idem::BrokerAction::ack: return std::nullopt;
+      case idem::BrokerAction::requeue:
+        if (res.errors[k]) return pause_after(res.errors[k], pay.id);
+        return std::min(res.outcomes[k].retry_after, s_.max_retry);
+      case idem::BrokerAction::dead_letter: {
+        // Keyed on the payload too: each distinct payload reusing an id is its own dead letter.
+        const idem::Outcome<long>& out = res.outcomes[k];
+        return dead_letter(m, pay.id + ":" + idem::fingerprint(value_of(m)),
+                           out.status == idem::Status::mismatch ? "payload differs from the first delivery of this id"
+                                                                : "failed permanently: " + out.error);
       }
-    } catch (const idem::error& e) {
+    }
+    return s_.max_retry;
+  }
+
+  // The pause before retrying a message whose run threw.
+  idem::millis pause_after(const std::exception_ptr& e, const std::string& id) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const idem::error& x) {
       // The store failed (retryable) or a record cannot be read (not retryable: investigate).
       // Either way the handler did not run to a recorded end: never store the offset.
-      std::fprintf(stderr, "[%s] idem error on %s: %s\n", s_.client_id.c_str(), pay->id.c_str(), e.what());
-      retry_later(m, e.retryable() ? idem::millis{1'000} : idem::millis{30'000});
-    } catch (const std::exception& e) {
+      std::fprintf(stderr, "[%s] idem error on %s: %s\n", s_.client_id.c_str(), id.c_str(), x.what());
+      return x.retryable() ? idem::millis{1'000} : idem::millis{30'000};
+    } catch (...) {
       // The handler threw: the guard recorded it per its failure policy (retry with backoff, then
       // previously_failed -> dead letter). Retry the message after a short pause.
       stats_.handler_errors.fetch_add(1);
-      retry_later(m, s_.min_retry);
+      return s_.min_retry;
     }
   }
 
-  void store_offset(const rd_kafka_message_t* m) {
+  // Stores the offset after m, the last of `acked` messages of its partition that are done.
+  void store_offset(const rd_kafka_message_t* m, int acked) {
     auto list = make_list(1);
     rd_kafka_topic_partition_list_add(list.get(), rd_kafka_topic_name(m->rkt), m->partition)->offset = m->offset + 1;
     // Fails only if the partition was revoked meanwhile; the new owner then redelivers it (a Duplicate).
     if (rd_kafka_offsets_store(rk_, list.get()) != RD_KAFKA_RESP_ERR_NO_ERROR) return;
-    ++uncommitted_;
+    uncommitted_ += acked;
     if (on_ack_) on_ack_(m->partition, m->offset + 1);
   }
 
@@ -416,32 +484,34 @@ private:
   // next owner then redelivers the message, which ends up here again; without the key it would be
   // dead-lettered twice. With it, that redelivery answers Duplicate and only stores the offset.
   // (Left open, as for any effect: the DLQ write acked but the store down before the completion.)
-  void dead_letter(const rd_kafka_message_t* m, const std::string& key, const std::string& reason) {
+  // Returns nothing once the dead letter is written (now or by an earlier delivery): the message
+  // is then settled; otherwise the pause before retrying the message.
+  std::optional<idem::millis> dead_letter(const rd_kafka_message_t* m, const std::string& key,
+                                          const std::string& reason) {
     try {
       auto out = dlq_guard_.run("dlq:" + key, [&] { write_dead_letter(m, reason); });
       switch (out.action()) {
         case idem::BrokerAction::ack:  // executed: written now; duplicate: by an earlier delivery
           (out.status == idem::Status::duplicate ? stats_.dead_letters_deduped : stats_.dead_lettered).fetch_add(1);
-          store_offset(m);
-          return;
+          return std::nullopt;
         case idem::BrokerAction::requeue:  // another consumer is writing it right now
-          retry_later(m, std::min(out.retry_after, s_.max_retry));
-          return;
+          return std::min(out.retry_after, s_.max_retry);
         case idem::BrokerAction::dead_letter:  // not with FailureMode::release and no fingerprint
           break;
       }
       std::fprintf(stderr, "[%s] dead-letter key %s: %s\n", s_.client_id.c_str(), key.c_str(),
                    std::string(idem::to_string(out.status)).c_str());
-      retry_later(m, idem::millis{30'000});
+      return idem::millis{30'000};
     } catch (const std::exception& e) {
       // The write failed (the key is released: see dead_letter_options) or the store did: either
       // way nothing is stored, and the message comes back here after the pause.
       stats_.dead_letter_failures.fetch_add(1);
       std::fprintf(stderr, "[%s] dead letter for %s not written (%s); retrying the message later\n",
                    s_.client_id.c_str(), key.c_str(), e.what());
-      retry_later(m, idem::millis{1'000});
+      return idem::millis{1'000};
     }
   }
+
 
   // The guard for dead-letter writes: the consumer's options, but a failed write must release its
   // key at once so the retry can write it. The consumer's own policy (record: backoff, then

@@ -1,6 +1,6 @@
 // redis_streams_consumer: a starting template for a Redis Streams consumer-group consumer with
 // exactly-once effects (hiredis for the stream, idem::RedisStore for the idempotency records).
-// Copy StreamConsumer and put your logic in apply_payment().
+// Copy StreamConsumer and put your logic in StreamConsumer::apply().
 //
 //   idem_redis_streams_consumer --redis redis://127.0.0.1:6379 [--stream payments] [--group payments]
 //                               [--consumer NAME] [--count 32] [--lease-ms 30000] [--batch]
@@ -31,7 +31,9 @@
 //   handler exception   -> leave it pending; the failure policy decides: `record` with
 //                          max_attempts turns it into previously_failed (dead-letter) at the end
 //   idem::store_error   -> leave it pending, back off, carry on: the guard failed closed (the
-//                          handler did not run, nothing was recorded)
+//                          handler did not run; or it ran and its completion is unconfirmed,
+//                          then the redelivery answers duplicate, or takes the key over after
+//                          the lease if the completion was lost)
 // Never XACK before the outcome is known: an XACK followed by a crash loses the message.
 //
 // What to tune:
@@ -41,24 +43,24 @@
 //   retention           longer than the stream's redelivery horizon (how long an entry can stay
 //                       pending, plus how long producers may re-publish): a duplicate arriving
 //                       after retention runs again.
-//   COUNT (--count)     entries per XREADGROUP; the XACK of a batch is one round trip.
+//   COUNT (--count)     entries per XREADGROUP; the XACK of a read is one round trip (and with
+//                       --batch so are its acquisitions).
 //   failure policy      release (retry at once on the next delivery) or record (bounded retries
 //                       with backoff, then previously_failed -> dead-letter).
 //   MAXLEN              trim the stream (XADD MAXLEN ~ N, or XTRIM) only below entries that are
 //                       acked: a trimmed pending entry is gone (XAUTOCLAIM reports it deleted).
 //
-// Batch claim (--batch). By default each entry goes through guard.run: one acquire and one
-// complete round trip per message, with the guard's failure policy, fingerprinting, heartbeat and
-// observer. --batch uses RedisStore::acquire_batch for the whole read batch (one round trip),
-// runs the handler for each acquired key and completes them with one complete_batch. It saves
-// round trips, but (1) the records of the whole batch stay in_progress until the last handler of
-// the batch is done, so a crash loses the completion of every handler that already ran: for a
-// non-idempotent effect the crash-between-effect-and-completion window is the whole batch, not one
-// message (docs/choosing.md); (2) acquire_batch takes one AcquireParams for all keys, so there is
-// no per-payload fingerprint; (3) the failure policy is applied by hand (without the doubling of
-// the backoff) and there is no heartbeat or observer. Use it
-// when the effect is idempotent or transactional downstream (INSERT ... ON CONFLICT on the event
-// id) and the round trips matter; otherwise keep the per-message path.
+// Batches (--batch). By default each entry goes through guard.run: one acquire and one complete
+// round trip per message. --batch hands each XREADGROUP / XAUTOCLAIM read to guard.run_batch
+// instead: the acquisitions of the whole read take one round trip, the handlers run in entry
+// order, and each completion is sent as soon as its handler returns (the answers are read once, at
+// the end). Everything else is guard.run's: the failure policy, fingerprints, heartbeat, observer,
+// and one outcome per entry, mapped to the broker action by the same table. What differs: the
+// keys of a read are claimed together, so an entry holds its lease while it waits for the
+// handlers before it (keep the lease above COUNT x the handler's worst case, or turn heartbeat
+// on), and a consumer that dies mid-read leaves every key of the read claimed until its lease
+// lapses (their redeliveries answer in_flight until then; guard.run leaves one); an event id
+// twice in one read runs once, the repeat answering duplicate.
 //
 // The Redis server behind RedisStore must not evict keys (maxmemory-policy noeviction, RedisStore
 // warns otherwise) and should persist (appendonly yes; appendfsync always if a lost completion
@@ -74,6 +76,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -319,8 +322,8 @@ private:
   }
 
   // The status -> broker action table of the header comment.
-  Action action_for(idem::Status s, const std::string& key) {
-    switch (s) {
+  Action action_for(const idem::Outcome<std::string>& out, const std::string& key, std::string& reason) {
+    switch (out.status) {
       case idem::Status::executed: ++n_.executed; return Action::ack;
       case idem::Status::duplicate: ++n_.duplicates; return Action::ack;
       case idem::Status::stale: ++n_.stale; return Action::ack;
@@ -330,8 +333,22 @@ private:
                      cfg_.consumer.c_str(), key.c_str());
         return Action::ack;
       case idem::Status::in_flight: ++n_.in_flight; return Action::leave;
-      case idem::Status::previously_failed:
-      case idem::Status::mismatch: return Action::dead_letter;
+      case idem::Status::previously_failed: reason = out.error; return Action::dead_letter;
+      case idem::Status::mismatch: reason = "event id reused with a different payload"; return Action::dead_letter;
+    }
+    return Action::leave;
+  }
+
+  // A run that ended in an exception: leave the entry pending, its redelivery retries it.
+  Action on_error(const std::exception_ptr& e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const idem::store_error& ex) {
+      ++n_.store_errors;  // failed closed: not run, or not recorded (a redelivery takes it over)
+      std::fprintf(stderr, "[%s] store: %s\n", cfg_.consumer.c_str(), ex.what());
+      back_off_ = true;
+    } catch (...) {
+      ++n_.handler_errors;  // recorded per the failure policy: record ends in previously_failed -> DLQ
     }
     return Action::leave;
   }
@@ -345,120 +362,65 @@ private:
     else
       for (size_t i = 0; i < entries.size(); ++i) actions[i] = decide_one(entries[i], reasons[i]);
     finish(entries, actions, reasons);
+    if (back_off_) {  // the store failed: give it a moment before the next read
+      back_off_ = false;
+      std::this_thread::sleep_for(100ms);
+    }
   }
 
-  // Per-message path: guard.run does acquire, handler, complete (or fail) and maps the outcome.
+  // ---- YOUR LOGIC HERE: the effect of one event (ctx.fence for fenced downstream writes). The
+  // result is recorded and replayed to duplicates as out.value.
+  std::string apply(const Payment& p, const idem::Context& ctx) {
+    ledger_.apply(p, ctx.fence);
+    return "applied";
+  }
+
+  // What the guard fingerprints: a reused event id with a different body answers mismatch.
+  static std::string fingerprinted(const Payment& p) { return p.account + "|" + std::to_string(p.amount); }
+
+  // Per-message path: guard.run does acquire, handler, complete (or fail).
   Action decide_one(const Entry& e, std::string& reason) {
     const auto p = parse(e);
     if (!p) {
       reason = "unparseable entry";
       return Action::dead_letter;
     }
-    // The fingerprinted payload: a reused event id with a different body answers mismatch.
-    const std::string payload = p->account + "|" + std::to_string(p->amount);
     try {
-      auto out = guard_.run(p->event_id, payload, [&](const idem::Context& ctx) {
-        // ---- YOUR LOGIC HERE: the effect of one event (ctx.fence for fenced downstream writes).
-        ledger_.apply(*p, ctx.fence);
-        return std::string("applied");  // recorded; replayed to duplicates as out.value
-      });
-      if (out.status == idem::Status::previously_failed) reason = out.error;
-      if (out.status == idem::Status::mismatch) reason = "event id reused with a different payload";
-      return action_for(out.status, p->event_id);
-    } catch (const idem::store_error& ex) {
-      ++n_.store_errors;  // failed closed: not run, not recorded; leave pending
-      std::fprintf(stderr, "[%s] store: %s\n", cfg_.consumer.c_str(), ex.what());
-      std::this_thread::sleep_for(100ms);
-      return Action::leave;
-    } catch (const std::exception& ex) {
-      ++n_.handler_errors;  // recorded per the failure policy; redelivered later
-      return Action::leave;
+      auto out = guard_.run(p->event_id, fingerprinted(*p), [&](const idem::Context& ctx) { return apply(*p, ctx); });
+      return action_for(out, p->event_id, reason);
+    } catch (...) {
+      return on_error(std::current_exception());
     }
   }
 
-  // Batch path (--batch): acquire_batch, handlers, complete_batch. See the header comment.
-  void decide_batch(const std::vector<Entry>& entries, std::vector<Action>& actions, std::vector<std::string>& reasons) {
-    std::vector<std::optional<Payment>> ps;
-    std::vector<std::string_view> keys;
-    std::vector<size_t> index;  // keys[k] belongs to entries[index[k]]
-    ps.reserve(entries.size());  // keys view into ps: no reallocation after the first view
+  // Batch path (--batch): guard.run_batch over the whole read, one outcome (or error) per entry.
+  void decide_batch(const std::vector<Entry>& entries, std::vector<Action>& actions,
+                    std::vector<std::string>& reasons) {
+    std::vector<Payment> ps;  // the parseable entries: ps[k] is entries[at[k]]
+    std::vector<size_t> at;
     for (size_t i = 0; i < entries.size(); ++i) {
-      ps.push_back(parse(entries[i]));
-      if (!ps.back()) {
+      if (auto p = parse(entries[i])) {
+        ps.push_back(std::move(*p));
+        at.push_back(i);
+      } else {
         actions[i] = Action::dead_letter;
         reasons[i] = "unparseable entry";
-        continue;
-      }
-      keys.push_back(ps.back()->event_id);
-      index.push_back(i);
-    }
-    if (keys.empty()) return;
-    const auto& go = guard_.options();
-    idem::AcquireParams ap;
-    ap.lease = go.lease;
-    ap.retention = go.retention;
-    ap.owner = go.owner;
-    ap.token = token_();
-    std::vector<idem::AcquireResult> rs;
-    try {
-      rs = guard_.store().acquire_batch(keys, ap);  // the same key twice in a batch: the 2nd is in_flight
-    } catch (const idem::store_error& ex) {
-      ++n_.store_errors;
-      std::fprintf(stderr, "[%s] store: %s\n", cfg_.consumer.c_str(), ex.what());
-      std::this_thread::sleep_for(100ms);
-      return;  // all left pending
-    }
-    std::vector<idem::CompleteItem> done;
-    std::vector<size_t> done_index;
-    for (size_t k = 0; k < rs.size(); ++k) {
-      const size_t i = index[k];
-      const idem::AcquireResult& r = rs[k];
-      switch (r.status) {
-        case idem::AcquireStatus::acquired:
-          try {
-            // ---- YOUR LOGIC HERE (batch path).
-            ledger_.apply(*ps[i], r.holder.fence);
-            done.push_back({keys[k], r.holder, "applied"});
-            done_index.push_back(i);
-          } catch (const std::exception& ex) {
-            ++n_.handler_errors;
-            try {
-              // The guard's failure policy, by hand: release, or record with a backoff and
-              // permanent after max_attempts (then acquire answers previously_failed -> DLQ).
-              idem::FailParams f{.error = ex.what(), .retention = go.retention};
-              f.release = go.failure.mode == idem::FailureMode::release;
-              f.permanent = !f.release && r.attempts >= go.failure.max_attempts;
-              f.backoff = go.failure.backoff;
-              guard_.store().fail(keys[k], r.holder, f);
-            } catch (const idem::store_error&) {
-              // the key lapses after its lease and is taken over by the redelivery
-            }
-          }
-          break;
-        case idem::AcquireStatus::duplicate: actions[i] = action_for(idem::Status::duplicate, ""); break;
-        case idem::AcquireStatus::in_flight: actions[i] = action_for(idem::Status::in_flight, ""); break;
-        case idem::AcquireStatus::previously_failed:
-          actions[i] = Action::dead_letter;
-          reasons[i] = r.payload;
-          break;
-        case idem::AcquireStatus::mismatch:
-          actions[i] = Action::dead_letter;
-          reasons[i] = "fingerprint mismatch";
-          break;
       }
     }
-    if (done.empty()) return;
+    std::vector<std::string> payloads;
+    for (const Payment& p : ps) payloads.push_back(fingerprinted(p));
+    std::vector<idem::BatchItem> items;  // views into ps and payloads, which no longer change
+    for (size_t k = 0; k < ps.size(); ++k) items.push_back({ps[k].event_id, payloads[k]});
     try {
-      const auto ws = guard_.store().complete_batch(done, go.retention);
-      for (size_t k = 0; k < ws.size(); ++k)
-        actions[done_index[k]] = action_for(
-            ws[k] == idem::WriteStatus::ok ? idem::Status::executed : idem::Status::lease_lost, std::string(done[k].key));
-    } catch (const idem::store_error& ex) {
-      // Unknown whether the completions were written: leave pending; redelivery answers
-      // duplicate if they were, or takes the keys over after the lease (the effect runs again:
-      // make it idempotent downstream, see the header comment).
-      ++n_.store_errors;
-      std::fprintf(stderr, "[%s] store: %s\n", cfg_.consumer.c_str(), ex.what());
+      auto res = guard_.run_batch(items, [&](const idem::BatchItem& item, const idem::Context& ctx) {
+        return apply(ps[static_cast<size_t>(&item - items.data())], ctx);  // item is items[k] itself
+      });
+      for (size_t k = 0; k < items.size(); ++k) {
+        const size_t i = at[k];
+        actions[i] = res.errors[k] ? on_error(res.errors[k]) : action_for(res.outcomes[k], ps[k].event_id, reasons[i]);
+      }
+    } catch (...) {
+      on_error(std::current_exception());  // the read's acquisitions failed: nothing ran, all stay pending
     }
   }
 
@@ -488,12 +450,7 @@ private:
   ConsumerConfig cfg_;
   Ledger& ledger_;
   Counters& n_;
-  std::mt19937_64 rng_{std::random_device{}()};
-  std::uint64_t token_() {
-    std::uint64_t t = 0;
-    while (t == 0) t = rng_();
-    return t;
-  }
+  bool back_off_ = false;  // a store error in this read
 };
 
 // --- command line ------------------------------------------------------------------------------
@@ -675,8 +632,9 @@ int run_selftest(int argc, char** argv) {
     std::fprintf(stderr, "FAIL: the crashed consumer's entries were not claimed\n");
   }
   c.cmd({"DEL", base.stream, base.stream + ":dlq"});
-  std::printf("selftest (%s): %d events, %zu published, %s\n", batch ? "batch claim" : "per-message guard.run", events,
-              order.size(), bad == 0 ? "PASS: every payment applied exactly once" : "FAIL");
+  std::printf("selftest (%s): %d events, %zu published, %s\n",
+              batch ? "guard.run_batch per read" : "per-message guard.run", events, order.size(),
+              bad == 0 ? "PASS: every payment applied exactly once" : "FAIL");
   return bad == 0 ? 0 : 1;
 }
 

@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abc] [--seed S]      the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcd] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -14,9 +14,14 @@
 //   (a) PostgresStore transactional mode: balance UPDATE + effects INSERT through ctx.tx;
 //   (b) RedisStore + a PostgreSQL transaction that INSERTs the event id into applied_events
 //       ON CONFLICT DO NOTHING and skips the update when it did nothing;
-//   (c) RedisStore + a plain autocommit UPDATE (one statement that also appends the effect row).
-// Exit status 1 when (a) or (b) has a double effect, a lost message or a wrong balance, when any
-// setup loses a message, or when a run does not finish in its time bound.
+//   (c) RedisStore + a plain autocommit UPDATE (one statement that also appends the effect row);
+//   (d) as (b), but each read (XREADGROUP / XAUTOCLAIM, up to 32 entries) goes through
+//       IdempotencyGuard::run_batch (one acquisition round trip, each completion sent as its handler
+//       returns), with the heartbeat on (a read's last entry waits for the handlers before it);
+//   (e) as (c), through run_batch as (d): not in the default set (--setups e), it reports what
+//       batches do to the double effects of a non-idempotent effect.
+// Exit status 1 when (a), (b) or (d) has a double effect, a lost message or a wrong balance, when
+// any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
 
@@ -305,6 +310,7 @@ int worker_main(int argc, char** argv) {
   go.retention = 1h;
   go.failure.mode = idem::FailureMode::release;
   go.owner = consumer + ":" + std::to_string(::getpid());
+  go.heartbeat = setup == 'd' || setup == 'e';
 
   // Stores are created lazily and again after a failure to construct (the server may be down).
   std::optional<idem::PostgresStore> pgs;
@@ -312,6 +318,50 @@ int worker_main(int argc, char** argv) {
   std::optional<idem::RedisStore> rs;
   std::optional<idem::IdempotencyGuard<idem::RedisStore>> rguard;
   Pg biz(conninfo);
+
+  auto redis_guard = [&]() -> idem::IdempotencyGuard<idem::RedisStore>& {
+    if (!rs) {
+      idem::RedisOptions ro;
+      ro.port = port;
+      ro.key_prefix = "idem:" + T + ":";
+      ro.pool.size = 2;
+      ro.connect_timeout = idem::millis{1000};
+      ro.command_timeout = idem::millis{2000};
+      ro.pool.wait = idem::millis{2000};
+      rs.emplace(std::move(ro));
+      rguard.emplace(*rs, go);
+    }
+    return *rguard;
+  };
+  auto reset_store = [&] {  // a store that could not even be built: build it again
+    pguard.reset();
+    pgs.reset();
+    rguard.reset();
+    rs.reset();
+  };
+
+  // (b) and (d): the business transaction records the event id (ON CONFLICT DO NOTHING) and skips
+  // the update when it was recorded before (a redelivery after a crash before complete).
+  // Returns false when it skipped.
+  auto apply_once = [&](const Entry& e) {
+    biz.exec("BEGIN");
+    auto ins = biz.exec("INSERT INTO " + T + "_applied(event_id) VALUES ($1) ON CONFLICT DO NOTHING", {e.event});
+    const bool fresh = ins.affected() == 1;
+    if (fresh) {
+      biz.exec("UPDATE " + T + "_accounts SET balance = balance + $1::bigint WHERE id = $2::int",
+               {e.amount, e.account});
+      biz.exec("INSERT INTO " + T + "_effects(event_id) VALUES ($1)", {e.event});
+    }
+    biz.exec("COMMIT");
+    return fresh;
+  };
+
+  // (c) and (e): one autocommit statement: the balance update and its effect row commit together.
+  auto apply_plain = [&](const Entry& e) {
+    biz.exec("WITH u AS (UPDATE " + T + "_accounts SET balance = balance + $1::bigint WHERE id = $2::int RETURNING id) "
+             "INSERT INTO " + T + "_effects(event_id) SELECT $3 FROM u",
+             {e.amount, e.account, e.event});
+  };
 
   auto run_one = [&](const Entry& e) -> idem::Status {
     const std::string payload = e.account + "|" + e.amount;
@@ -328,39 +378,13 @@ int worker_main(int argc, char** argv) {
       });
       return out.status;
     }
-    if (!rs) {
-      idem::RedisOptions ro;
-      ro.port = port;
-      ro.key_prefix = "idem:" + T + ":";
-      ro.pool.size = 2;
-      ro.connect_timeout = idem::millis{1000};
-      ro.command_timeout = idem::millis{2000};
-      ro.pool.wait = idem::millis{2000};
-      rs.emplace(std::move(ro));
-      rguard.emplace(*rs, go);
-    }
     if (setup == 'b') {
       bool skipped = false;
-      auto out = rguard->run(e.event, payload, [&] {
-        biz.exec("BEGIN");
-        auto ins = biz.exec("INSERT INTO b_applied(event_id) VALUES ($1) ON CONFLICT DO NOTHING", {e.event});
-        if (ins.affected() == 1) {
-          biz.exec("UPDATE b_accounts SET balance = balance + $1::bigint WHERE id = $2::int", {e.amount, e.account});
-          biz.exec("INSERT INTO b_effects(event_id) VALUES ($1)", {e.event});
-        } else {
-          skipped = true;  // applied before (a redelivery after a crash before complete): no effect
-        }
-        biz.exec("COMMIT");
-      });
+      auto out = redis_guard().run(e.event, payload, [&] { skipped = !apply_once(e); });
       if (skipped) stats.note('K');
       return out.status;
     }
-    // (c): one autocommit statement: the balance update and its effect row commit together.
-    auto out = rguard->run(e.event, payload, [&] {
-      biz.exec("WITH u AS (UPDATE c_accounts SET balance = balance + $1::bigint WHERE id = $2::int RETURNING id) "
-               "INSERT INTO c_effects(event_id) SELECT $3 FROM u",
-               {e.amount, e.account, e.event});
-    });
+    auto out = redis_guard().run(e.event, payload, [&] { apply_plain(e); });
     return out.status;
   };
 
@@ -383,13 +407,7 @@ int worker_main(int argc, char** argv) {
         stats.note('B');
       } catch (const std::exception&) {
         stats.note('E');
-        if (setup == 'a') {  // a store that could not even be built: build it again
-          pguard.reset();
-          pgs.reset();
-        } else {
-          rguard.reset();
-          rs.reset();
-        }
+        reset_store();
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(pause));
       pause = std::min<long long>(pause * 2, 500);
@@ -397,12 +415,75 @@ int worker_main(int argc, char** argv) {
     return false;
   };
 
+  // (d), (e): the deliveries of one read through run_batch; returns the entry ids to ack. Items whose
+  // run threw are run again in place (a smaller batch each time), as handle() retries one delivery.
+  auto handle_batch = [&](const std::vector<Entry>& entries) {
+    std::vector<std::string> ack;
+    std::vector<const Entry*> todo;
+    for (const auto& e : entries) {
+      stats.note('D');
+      if (e.event.empty()) ack.push_back(e.id);  // not ours (or deleted): nothing to do
+      else todo.push_back(&e);
+    }
+    long long pause = 20;
+    const auto give_up = Clock::now() + 20s;
+    while (!todo.empty() && !g_stop && Clock::now() < give_up) {
+      std::vector<std::string> payloads;
+      for (const Entry* e : todo) payloads.push_back(e->account + "|" + e->amount);
+      std::vector<idem::BatchItem> items;
+      for (size_t k = 0; k < todo.size(); ++k) items.push_back({todo[k]->event, payloads[k]});
+      std::vector<const Entry*> again;
+      try {
+        auto res = redis_guard().run_batch(items, [&](const idem::BatchItem& item) {
+          const Entry& e = *todo[static_cast<size_t>(&item - items.data())];
+          if (setup == 'e') apply_plain(e);
+          else if (!apply_once(e)) stats.note('K');
+        });
+        for (size_t k = 0; k < todo.size(); ++k) {
+          if (!res.errors[k]) {
+            stats.note(status_char(res.outcomes[k].status));
+            if (res.outcomes[k].status != idem::Status::in_flight) ack.push_back(todo[k]->id);
+            continue;
+          }
+          try {
+            std::rethrow_exception(res.errors[k]);
+          } catch (const business_error&) {
+            stats.note('B');
+          } catch (const idem::error& ex) {
+            stats.note('E');
+            if (!ex.retryable() && dynamic_cast<const idem::store_error*>(&ex) == nullptr)
+              continue;  // not our business here: leave it unacked
+          } catch (const std::exception&) {
+            stats.note('E');
+          }
+          again.push_back(todo[k]);
+        }
+      } catch (const idem::error&) {  // the acquisitions failed: nothing ran
+        stats.note('E');
+        again = todo;
+      } catch (const std::exception&) {
+        stats.note('E');
+        reset_store();
+        again = todo;
+      }
+      todo = std::move(again);
+      if (todo.empty()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(pause));
+      pause = std::min<long long>(pause * 2, 500);
+    }
+    return ack;
+  };
+
   auto process = [&](const std::vector<Entry>& entries) {
     std::vector<std::string> ack{"XACK", stream, kGroup};
-    for (const auto& e : entries) {
-      if (g_stop) break;
-      stats.note('D');
-      if (handle(e)) ack.push_back(e.id);
+    if ((setup == 'd' || setup == 'e') && !g_stop) {
+      for (auto& id : handle_batch(entries)) ack.push_back(std::move(id));
+    } else {
+      for (const auto& e : entries) {
+        if (g_stop) break;
+        stats.note('D');
+        if (handle(e)) ack.push_back(e.id);
+      }
     }
     if (ack.size() > 3) {
       try {
@@ -535,7 +616,7 @@ public:
       pg.exec("CREATE TABLE " + T + "_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
       pg.exec("INSERT INTO " + T + "_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
       pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
-      if (setup == 'b') pg.exec("CREATE TABLE b_applied (event_id text PRIMARY KEY)");
+      if (setup == 'b' || setup == 'd') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
       if (setup == 'a') {
         idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
         s.migrate();
@@ -707,13 +788,18 @@ public:
     const Counts c = read_stats(dir);
     const char* names[] = {"", "PostgreSQL transactional mode (balance UPDATE through ctx.tx)",
                            "RedisStore + PostgreSQL transaction with applied_events ON CONFLICT DO NOTHING",
-                           "RedisStore + plain autocommit UPDATE"};
+                           "RedisStore + plain autocommit UPDATE",
+                           "RedisStore + run_batch per read + PostgreSQL transaction with applied_events ON "
+                           "CONFLICT DO NOTHING",
+                           "RedisStore + run_batch per read + plain autocommit UPDATE"};
     std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
                 names[setup - 'a' + 1], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
     std::printf("(%c) deliveries: %lld\n", setup, c['D']);
     // A consumer killed right after its commit cannot count its run: the effects log is the truth.
-    std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'], effects_total,
-                setup == 'b' ? (", handler runs skipped by applied_events: " + std::to_string(c['K'])).c_str() : "");
+    const std::string skipped =
+        setup == 'b' || setup == 'd' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
+    std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
+                effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
     std::printf("(%c) stale skipped: %lld\n", setup, c['S']);
     std::printf("(%c) in-flight left for redelivery: %lld, lease lost: %lld, dead-lettered: %lld, store/db errors retried: %lld\n",
@@ -727,7 +813,7 @@ public:
     std::fflush(stdout);
     (void)republished;
 
-    if (setup == 'c')
+    if (setup == 'c' || setup == 'e')
       res.ok = res.finished && res.lost == 0 && res.unexplained == 0;
     else
       res.ok = res.finished && res.lost == 0 && res.doubles == 0 && res.bad_balances == 0 && res.unexplained == 0;
@@ -764,7 +850,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abc";
+  std::string setups = "abcd";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -773,7 +859,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abc] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcd] [--seed S]\n");
       return 2;
     }
   }
@@ -837,7 +923,7 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'c' || g_stop) continue;
+    if (s < 'a' || s > 'e' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
     const Result r = d.run(s, events, seed, bound);
     if (!r.ok) {
