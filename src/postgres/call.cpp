@@ -13,19 +13,6 @@ namespace idem::detail {
 
 namespace {
 
-// What became of one send.
-enum class Fate {
-  answered,  // the server's answer (success or an error) arrived
-  unsent,    // libpq could not send the request: the server certainly did not run it
-  in_doubt,  // sent, then the session died before the answer: the server may have run it
-};
-
-struct Reply {
-  PostgresResult result;
-  Fate fate = Fate::answered;
-  std::string why;  // unsent / in_doubt: libpq's message
-};
-
 // A pooled session ready for the store's statements (prepared, schema migrated when asked).
 class Ready : public Session {
  public:
@@ -79,6 +66,138 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
 }
 
 }  // namespace
+
+Pipeline::Pipeline(StoreImpl& s) : store_(&s), conn_(s.client.pool().checkout()) {
+  try {
+    s.prepare(*conn_);
+  } catch (...) {
+    s.client.pool().checkin(std::move(conn_), false);  // some statements may be prepared: never reuse it
+    throw;
+  }
+  if (PQenterPipelineMode(conn_->pg) != 1) {
+    broken_ = true;
+    why_ = first_line(PQerrorMessage(conn_->pg));
+  }
+}
+
+Pipeline::~Pipeline() { close(); }
+
+bool Pipeline::send(Stmt st, const Params& p) {
+  bool sent = false;
+  if (!broken_) {
+    PGconn* c = conn_->pg;
+    // PQpipelineSync flushes (libpq 14-16): the request has left when it returns. libpq reads
+    // the answers arriving meanwhile whenever a send would block, so a long pipeline cannot
+    // deadlock against a server blocked on writing its answers.
+    sent = PQsendQueryPrepared(c, store_->names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1) == 1 &&
+           PQpipelineSync(c) == 1;
+    if (!sent) {
+      broken_ = true;
+      why_ = first_line(PQerrorMessage(c));
+    }
+  }
+  queued_.push_back(sent);
+  return sent;
+}
+
+Reply Pipeline::next() {
+  Reply out;
+  const bool sent = queued_.at(read_++);
+  if (!sent) {
+    out.fate = Fate::unsent;
+    out.why = why_;
+    return out;
+  }
+  if (broken_) {
+    out.fate = Fate::in_doubt;
+    out.why = why_;
+    return out;
+  }
+  PGconn* c = conn_->pg;
+  // The request's result, the null that ends it, then its sync: only with the sync has its
+  // transaction ended (committed, or rolled back after an error).
+  PGresult* r = PQgetResult(c);
+  if (r) {
+    out.result = ResultAccess::wrap(r);
+    for (int guard = 0; guard < 4; ++guard) {  // one statement, one result: more would be a protocol surprise
+      PGresult* extra = PQgetResult(c);
+      if (!extra) break;
+      PQclear(extra);
+    }
+  }
+  PGresult* sync = r ? PQgetResult(c) : nullptr;
+  const bool synced = sync && PQresultStatus(sync) == PGRES_PIPELINE_SYNC;
+  PQclear(sync);
+  const PGresult* res = ResultAccess::native(out.result);
+  // An error without a SQLSTATE on a live session is libpq's own (out of memory, ...): the
+  // pipeline's state is unknown, so the session is given up like a dead one.
+  const bool libpq_error = res && !result_ok(res) && sqlstate_of(res).empty();
+  if (synced && !libpq_error) return out;  // (even if the session died just after)
+  broken_ = true;
+  why_ = first_line(res && *PQresultErrorMessage(res) ? PQresultErrorMessage(res) : PQerrorMessage(c));
+  out.fate = Fate::in_doubt;
+  out.why = why_;
+  out.result = PostgresResult{};
+  return out;
+}
+
+void Pipeline::close() noexcept {
+  if (!conn_) return;
+  try {
+    while (unread() > 0 && !broken_) (void)next();
+  } catch (...) {
+    broken_ = true;
+  }
+  bool healthy = !broken_ && PQstatus(conn_->pg) == CONNECTION_OK;
+  if (healthy) healthy = PQexitPipelineMode(conn_->pg) == 1;
+  store_->client.pool().checkin(std::move(conn_), healthy);
+}
+
+void StoreImpl::settle(std::span<const Call> calls, std::span<Reply> replies, std::string_view what, bool writes) {
+  std::vector<std::size_t> open;
+  for (std::size_t i = 0; i < replies.size(); ++i)
+    if (replies[i].fate != Fate::answered) open.push_back(i);
+  if (open.empty()) return;
+  // Once more, on another session, as the same holders (the dead one was dropped).
+  std::vector<Reply> second(open.size());
+  try {
+    Pipeline p(*this);
+    for (std::size_t i : open) p.send(calls[i].again, *calls[i].params);
+    for (Reply& r : second) r = p.next();
+    p.close();
+  } catch (const store_error& e) {
+    for (std::size_t i : open)
+      if (writes && replies[i].fate == Fate::in_doubt) throw_unknown(what, replies[i].why, e.what());
+    throw;
+  }
+  for (std::size_t k = 0; k < open.size(); ++k) {
+    Reply& first = replies[open[k]];
+    if (second[k].fate == Fate::answered) {
+      first = std::move(second[k]);
+      continue;
+    }
+    if (writes && (first.fate == Fate::in_doubt || second[k].fate == Fate::in_doubt))
+      throw_unknown(what, first.why, second[k].why);
+  }
+  for (std::size_t k = 0; k < open.size(); ++k)
+    if (second[k].fate != Fate::answered)
+      throw connection_error("idem: postgres " + std::string(what) + " failed: " + second[k].why + " (connection lost)",
+                             "08006", true);
+}
+
+std::vector<PostgresResult> StoreImpl::exchange_many(std::span<const Call> calls, std::string_view what, bool writes) {
+  std::vector<Reply> replies(calls.size());
+  {
+    Pipeline p(*this);
+    for (const Call& c : calls) p.send(c.st, *c.params);
+    for (Reply& r : replies) r = p.next();
+  }  // given back (or dropped) before settle checks out another
+  settle(calls, replies, what, writes);
+  std::vector<PostgresResult> out;
+  out.reserve(replies.size());
+  for (Reply& r : replies) out.push_back(std::move(r.result));
+  return out;
+}
 
 PostgresResult StoreImpl::exchange(Stmt st, Stmt again, const Params& p, std::string_view what, bool writes) {
   Reply first = send(*this, st, p, what);

@@ -81,6 +81,56 @@ void StoreImpl::prepare_all(PGconn* c) const {
                             " AND NOT EXISTS (SELECT 1 FROM mine)") +
                   " UNION ALL SELECT 0::smallint, fence, false, attempts, 0::bigint, ''::bytea FROM mine",
               9);
+  // acquire_many in lease mode (batch.cpp): up to acquire_many_chunk keys in one statement, each
+  // decided exactly as kAcquireLease decides it, with its own fingerprint, lease, retention, token,
+  // owner and claim lock ($1..$6, $8: arrays of one element per key, $7 the claim's lock_timeout).
+  // `req` tries every key's claim lock (how, as above); one INSERT ... ON CONFLICT DO NOTHING then
+  // settles every new key whose lock it holds, and the decision function runs for the others alone.
+  // It must not run before the INSERT has finished (a key the INSERT takes is not "existing"), so
+  // it is called on the rows of `j`, a LEFT JOIN against the INSERT's RETURNING: a row that finds
+  // no match there exists only once the join has read the INSERT to its end, whatever plan it
+  // takes (a hash on either side, a merge after sorting it, a nested loop rescanning it); and the
+  // UNION's first branch reads `j` to its end before the second calls anything.
+  // Row locks are taken with NOWAIT as in kAcquireLease, so a key whose row another transaction
+  // holds fails the whole statement with 55P03 (and a record that kept changing with 40001): the
+  // caller then decides that chunk's keys one by one with kAcquireLease, which answers those
+  // in_flight exactly as acquire does. Answers: one row per key, (i, the six columns of
+  // kAcquireLease), i the key's 1-based position; a new key is (i, 0, 1, false, 1, 0, '').
+  // `mine`, `mine_join`, `mine_cols`, `mine_*`: the extras of kAcquireManyAgain.
+  const auto many_acquire = [&](const std::string& mine, const std::string& mine_join, const std::string& mine_cols,
+                                const std::string& mine_got, const std::string& mine_fence,
+                                const std::string& mine_attempts) {
+    return "WITH cfg AS MATERIALIZED (SELECT set_config('lock_timeout', $7, true) AS lt, " + clock_ms +
+           "), req AS MATERIALIZED (SELECT r.i, r.key, r.fp, r.lease, r.retention, r.token, r.owner, "
+           "CASE pg_try_advisory_xact_lock(r.lock) WHEN true THEN 'nowait' WHEN false THEN 'busy' ELSE $7 END AS how "
+           "FROM cfg, unnest($1::bytea[], $2::bytea[], $3::int8[], $4::int8[], $5::int8[], $6::text[], $8::int8[]) "
+           "WITH ORDINALITY AS r(key, fp, lease, retention, token, owner, lock, i)), " +
+           mine + "ins AS (INSERT INTO " + qt +
+           " (key, state, fence, token, attempts, lease_until, expires_at, purge_after, owner, fingerprint) "
+           "SELECT req.key, 1, 1, req.token, 1, cfg.ms + req.lease, cfg.ms + req.retention, "
+           "(cfg.ms + req.retention + 999) / 1000 * 1000, req.owner, req.fp FROM req, cfg WHERE req.how <> 'busy' "
+           "ON CONFLICT (key) DO NOTHING RETURNING key), "
+           "j AS MATERIALIZED (SELECT req.i, req.key, req.fp, req.lease, req.retention, req.token, req.owner, req.how, "
+           "ins.key IS NOT NULL AS got" + mine_cols + " FROM req LEFT JOIN ins ON ins.key = req.key" + mine_join +
+           ") SELECT j.i, 0::smallint, " + mine_fence + ", false, " + mine_attempts +
+           ", 0::bigint, ''::bytea FROM j WHERE j.got" + mine_got +
+           " UNION ALL SELECT s.i, (s.d).o_status, (s.d).o_fence, (s.d).o_takeover, (s.d).o_attempts, "
+           "(s.d).o_retry_after, (s.d).o_payload FROM (SELECT j.i, " + acquire_fn +
+           "(j.key, j.fp, j.lease, j.retention, j.token, j.owner, j.how, '', NULL) AS d FROM j WHERE NOT (j.got" +
+           mine_got + ") OFFSET 0) s";
+  };
+  prepare_one(c, names[kAcquireMany], many_acquire("", "", "", "", "1::bigint", "1"), 8);
+  // Sent again after a lost reply: a key whose live in_progress row carries its token is the
+  // acquisition that reply carried, answered with that row's fence and attempts (as kAcquireAgain).
+  // `m` reads the statement's snapshot, which does not see the INSERT's rows.
+  prepare_one(c, names[kAcquireManyAgain],
+              many_acquire("m AS MATERIALIZED (SELECT req.key, t.fence, t.attempts FROM req JOIN " + qt +
+                               " t ON t.key = req.key, cfg WHERE t.state = 1 AND t.token = req.token AND "
+                               "t.lease_until > cfg.ms AND t.expires_at > cfg.ms), ",
+                           " LEFT JOIN m ON m.key = req.key", ", m.fence AS mfence, m.attempts AS mattempts",
+                           " OR j.mfence IS NOT NULL", "CASE WHEN j.got THEN 1::bigint ELSE j.mfence END",
+                           "CASE WHEN j.got THEN 1 ELSE j.mattempts END"),
+              8);
   // The holder-checked writes. `done` says what this holder's own write left on the row: the
   // Again variant answers one row when it writes now or finds that write already made.
   const auto holder_write = [&](Stmt st, Stmt again, const std::string& set, const std::string& done, int n) {

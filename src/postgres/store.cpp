@@ -17,7 +17,8 @@ namespace {
 
 constexpr std::array<const char*, kStatementCount> statement_suffixes{
     "acquire",     "acquire_lease",      "acquire_again", "complete", "complete_again", "unavailable",
-    "unavailable_again", "fail", "fail_again", "extend", "inspect", "purge", "tx_complete", "record_failure"};
+    "unavailable_again", "fail", "fail_again", "extend", "inspect", "purge", "tx_complete", "record_failure",
+    "acquire_many", "acquire_many_again"};
 
 PostgresStoreOptions checked(PostgresStoreOptions o) {
   if (!valid_identifier(o.schema, 63) || o.schema.rfind("pg_", 0) == 0)
@@ -41,8 +42,10 @@ PostgresStoreOptions checked(PostgresStoreOptions o) {
   return o;
 }
 
-// kAcquireLease answers a new key with no row at all (the INSERT took it) and any other decision
-// with the function's one row.
+std::uint64_t as_u64(std::int64_t v) { return static_cast<std::uint64_t>(v); }
+
+}  // namespace
+
 AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token) {
   if (PQntuples(r) != 0 || PQnfields(r) != 6) return decode_acquire(r, token);
   AcquireResult a;
@@ -51,10 +54,6 @@ AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token) {
   a.holder = {1, token};
   return a;
 }
-
-std::uint64_t as_u64(std::int64_t v) { return static_cast<std::uint64_t>(v); }
-
-}  // namespace
 
 void check_pg_key(std::string_view key) {
   // The store's own limit: no option raises it, so the advice is to hash, not to raise a limit.
@@ -71,10 +70,32 @@ std::string clean_owner(std::string_view o) {
   return s;
 }
 
+Params& Params::operator=(const Params& o) {
+  if (this == &o) return *this;
+  n_ = o.n_;
+  owned_ = o.owned_;
+  store_ = o.store_;
+  lens_ = o.lens_;
+  fmts_ = o.fmts_;
+  for (int i = 0; i < cap; ++i) vals_[i] = owned_[i] ? store_[i].c_str() : o.vals_[i];
+  return *this;
+}
+
 Params& Params::bin(std::string_view v) {
   vals_[n_] = v.data() ? v.data() : "";
   lens_[n_] = static_cast<int>(v.size());
   fmts_[n_] = 1;
+  owned_[n_] = false;
+  ++n_;
+  return *this;
+}
+
+Params& Params::owned_bin(std::string v) {
+  store_[n_] = std::move(v);
+  vals_[n_] = store_[n_].c_str();
+  lens_[n_] = static_cast<int>(store_[n_].size());
+  fmts_[n_] = 1;
+  owned_[n_] = true;
   ++n_;
   return *this;
 }
@@ -83,6 +104,7 @@ Params& Params::null() {
   vals_[n_] = nullptr;
   lens_[n_] = 0;
   fmts_[n_] = 0;
+  owned_[n_] = false;
   ++n_;
   return *this;
 }
@@ -92,6 +114,7 @@ Params& Params::text(std::string v) {
   vals_[n_] = store_[n_].c_str();
   lens_[n_] = 0;
   fmts_[n_] = 0;
+  owned_[n_] = true;
   ++n_;
   return *this;
 }
@@ -115,17 +138,21 @@ std::string bytes_of(const PGresult* r, int row, int col) {
 AcquireResult decode_acquire(const PGresult* r, std::uint64_t token) {
   if (PQntuples(r) != 1 || PQnfields(r) != 6)
     throw corrupt_record_error("idem: postgres acquire returned an unexpected shape");
+  return decode_acquire_row(r, 0, 0, token);
+}
+
+AcquireResult decode_acquire_row(const PGresult* r, int row, int col, std::uint64_t token) {
   AcquireResult a;
-  const auto st = be_int(r, 0, 0, 2);
+  const auto st = be_int(r, row, col, 2);
   if (st < 0 || st > 5) throw corrupt_record_error("idem: postgres acquire returned status " + std::to_string(st));
   // 5 (schema v2): a duplicate whose result was not stored; the payload is why.
   a.status = st == 5 ? AcquireStatus::duplicate : static_cast<AcquireStatus>(st);
   a.result_unavailable = st == 5;
-  a.takeover = bool_of(r, 0, 2);
-  a.attempts = static_cast<std::uint32_t>(be_int(r, 0, 3, 4));
-  a.retry_after = millis{std::max<std::int64_t>(0, be_int(r, 0, 4, 8))};
-  a.payload = bytes_of(r, 0, 5);
-  if (a.status == AcquireStatus::acquired) a.holder = {as_u64(be_int(r, 0, 1, 8)), token};
+  a.takeover = bool_of(r, row, col + 2);
+  a.attempts = static_cast<std::uint32_t>(be_int(r, row, col + 3, 4));
+  a.retry_after = millis{std::max<std::int64_t>(0, be_int(r, row, col + 4, 8))};
+  a.payload = bytes_of(r, row, col + 5);
+  if (a.status == AcquireStatus::acquired) a.holder = {as_u64(be_int(r, row, col + 1, 8)), token};
   return a;
 }
 

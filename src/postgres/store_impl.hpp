@@ -8,8 +8,10 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "client.hpp"
 #include "idem/postgres/store.hpp"
@@ -31,9 +33,16 @@ void check_pg_key(std::string_view key);
 inline constexpr std::size_t max_pg_result_bytes = (std::size_t{1} << 30) - 1;
 
 // Parameters of our prepared statements: bytea in binary (keys are arbitrary bytes), the rest as text.
+// bin() keeps a view (the bytes must outlive the call); text() and owned_bin() keep a copy, and a
+// copied or moved Params points at its own copies.
 class Params {
  public:
+  Params() = default;
+  Params(const Params& o) { *this = o; }
+  Params& operator=(const Params& o);
   Params& bin(std::string_view v);
+  // Binary bytes the Params keeps (the arrays of acquire_many).
+  Params& owned_bin(std::string v);
   Params& text(std::string v);
   Params& num(std::int64_t v) { return text(std::to_string(v)); }
   Params& boolean(bool v) { return text(v ? "t" : "f"); }
@@ -45,6 +54,7 @@ class Params {
 
  private:
   static constexpr int cap = 12;  // the widest statement, record_failure, has 11
+  std::array<bool, cap> owned_{};  // vals_[i] points into store_[i]
   std::array<std::string, cap> store_{};
   std::array<const char*, cap> vals_{};
   std::array<int, cap> lens_{};
@@ -58,6 +68,16 @@ std::int64_t be_int(const PGresult* r, int row, int col, int bytes);
 std::string bytes_of(const PGresult* r, int row, int col);
 inline bool bool_of(const PGresult* r, int row, int col) { return be_int(r, row, col, 1) != 0; }
 AcquireResult decode_acquire(const PGresult* r, std::uint64_t token);
+// kAcquireLease / kAcquireAgain answer a new key with no row at all (the INSERT took it) and any
+// other decision with the function's one row.
+AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token);
+// The decision in columns col..col+5 of `row` (status, fence, takeover, attempts, retry_after, payload).
+AcquireResult decode_acquire_row(const PGresult* r, int row, int col, std::uint64_t token);
+
+// Binary-format one-dimensional arrays, the parameters of acquire_many's statement.
+std::string bytea_array(const std::vector<std::string_view>& v);
+std::string int8_array(const std::vector<std::int64_t>& v);
+std::string text_array(const std::vector<std::string>& v);
 
 // Owner ids are diagnostics in a text column; bytes that are not printable ASCII (or NUL, which
 // text cannot hold) become '?', so an odd hostname can never make acquire fail.
@@ -83,7 +103,66 @@ enum Stmt : std::size_t {
   kPurge,
   kTxComplete,
   kRecordFailure,
+  kAcquireMany,       // lease mode, up to acquire_many_chunk keys in one statement (batch.cpp)
+  kAcquireManyAgain,  // kAcquireMany, or acquired with the live row's fence where the token is ours
   kStatementCount
+};
+
+// Keys per kAcquireMany statement: each holds one claim lock (an entry of the server's shared lock
+// table, max_locks_per_transaction x max_connections) until its statement commits.
+inline constexpr std::size_t acquire_many_chunk = 128;
+
+// What became of one request sent on a session.
+enum class Fate {
+  answered,  // the server's answer (success or an error) arrived, and with it the end of its transaction
+  unsent,    // libpq could not send the request: the server certainly did not run it
+  in_doubt,  // sent, then the session died before the answer: the server may have run it
+};
+
+struct Reply {
+  PostgresResult result;
+  Fate fate = Fate::answered;
+  std::string why;  // unsent / in_doubt: libpq's message
+};
+
+// One request of exchange_many: prepared statement `st`, and `again`, what is sent instead on a
+// second session when the first died under it (store_impl.hpp, the *Again statements). `params`
+// must outlive the call.
+struct Call {
+  Stmt st;
+  Stmt again;
+  const Params* params;
+};
+
+class StoreImpl;
+
+// A pooled, prepared session in libpq pipeline mode with a sync after every request, so each
+// request is its own implicit transaction (an error ends only its own) and commits as soon as the
+// server reaches it; the client reads the answers when it wants them, in order (call.cpp).
+class Pipeline {
+ public:
+  explicit Pipeline(StoreImpl& s);  // throws what checkout / preparation throws: nothing sent
+  ~Pipeline();                      // reads what is unread, leaves pipeline mode, returns the session
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // Sends `st` and a sync (flushed). False when the session broke: the request did not leave,
+  // and nothing more can be sent here (next() answers unsent for it).
+  bool send(Stmt st, const Params& p);
+  // The answer to the oldest request not read yet (sent or refused by send()).
+  Reply next();
+  // Requests sent (or refused) whose answers were not read yet.
+  [[nodiscard]] std::size_t unread() const noexcept { return queued_.size() - read_; }
+  // Reads what is unread and gives the session back (kept when it is idle and sound).
+  void close() noexcept;
+
+ private:
+  StoreImpl* store_;
+  std::unique_ptr<Connection> conn_;
+  std::vector<bool> queued_;  // per request: whether it left (false: send() refused it)
+  std::size_t read_ = 0;
+  bool broken_ = false;  // the session died or libpq lost track: no more sends, the rest in doubt
+  std::string why_;
 };
 
 class StoreImpl {
@@ -98,6 +177,14 @@ class StoreImpl {
   // the record, so a reply lost after sending that cannot be settled is outcome_unknown_error.
   // exchange returns the server's answer unchecked; run throws the mapped error for a failure.
   PostgresResult exchange(Stmt st, Stmt again, const Params& p, std::string_view what, bool writes);
+  // The requests of `calls` in one pipeline on one session (one round trip), each its own
+  // transaction; those whose session died under them go once more as `again`, in one pipeline on
+  // another session, as exchange does for one. Answers in order, unchecked.
+  std::vector<PostgresResult> exchange_many(std::span<const Call> calls, std::string_view what, bool writes);
+  // The second chance of exchange_many (and of a batch's writes): the replies not answered are
+  // sent again as their `again`, in one pipeline on another session; throws what cannot be settled
+  // (outcome_unknown_error for a write that may have run, else connection_error).
+  void settle(std::span<const Call> calls, std::span<Reply> replies, std::string_view what, bool writes);
   PostgresResult run(Stmt st, Stmt again, const Params& p, std::string_view what, bool writes);
   // A holder-checked write (complete, fail, extend, ...): ok when one row was written (or, for
   // `again`, found already written by this holder).
@@ -106,6 +193,10 @@ class StoreImpl {
   // migrate.cpp
   void migrate();
   void ensure_migrated(PGconn* c);
+
+  // batch.cpp: acquire_many of requests `idx` (keys distinct), answers into out[idx[j]].
+  void acquire_distinct(std::span<const AcquireRequest> requests, const std::vector<std::size_t>& idx,
+                        std::vector<AcquireResult>& out);
 
   // transaction.cpp
   PostgresStore::Transaction begin(std::string_view key, const AcquireParams& ap);

@@ -8,6 +8,9 @@
 //       transactional mode: claims, prints "ready", waits for a line on stdin, commits, prints the status.
 //   pg_worker lease-hold CONNINFO KEY LEASE_MS
 //       lease mode: acquires, prints "ready", waits for a line on stdin, completes, prints the status.
+//   pg_worker batch CONNINFO PREFIX ITEMS HANDLER_MS
+//       lease mode: one run_batch over keys PREFIX0..PREFIX<ITEMS-1>; each handler sleeps
+//       HANDLER_MS, prints "ran <i>" (unbuffered, before its completion is sent) and returns i.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -94,6 +97,23 @@ int hold(const std::string& ci, const std::string& key, int lease_ms, idem::Post
   return 0;
 }
 
+int batch(const std::string& ci, const std::string& prefix, int items, int handler_ms) {
+  idem::PostgresStore store = open_store(ci, idem::PostgresMode::lease);
+  idem::IdempotencyGuard guard(store, {.lease = 30s, .retention = 600s});
+  std::vector<std::string> keys;
+  for (int i = 0; i < items; ++i) keys.push_back(prefix + std::to_string(i));
+  std::vector<idem::BatchItem> batch;
+  for (const auto& k : keys) batch.push_back({k, ""});
+  auto r = guard.run_batch(batch, [&](const idem::BatchItem& it) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(handler_ms));
+    const int i = std::stoi(std::string(it.key.substr(prefix.size())));
+    std::cout << "ran " << i << std::endl;  // before the completion is sent: the parent's cue
+    return i;
+  });
+  std::cout << "done " << r.executed() << std::endl;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -103,6 +123,7 @@ int main(int argc, char** argv) {
       return tx_increment(a[2], a[3], a[4], std::stoi(a[5]), static_cast<unsigned>(std::stoul(a[6])));
     if (a.size() == 5 && a[1] == "tx-hang") return tx_hang(a[2], a[3], a[4]);
     if (a.size() == 5 && a[1] == "lease-hold") return hold(a[2], a[3], std::stoi(a[4]), idem::PostgresMode::lease);
+    if (a.size() == 6 && a[1] == "batch") return batch(a[2], a[3], std::stoi(a[4]), std::stoi(a[5]));
     if (a.size() == 5 && a[1] == "tx-hold") return hold(a[2], a[3], std::stoi(a[4]), idem::PostgresMode::transactional);
     std::cerr << "usage: see pg_worker.cpp\n";
     return 2;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -223,6 +224,53 @@ TEST_CASE("postgres: a paused transactional holder loses its claim after one idl
   CHECK(out.status == idem::Status::executed);
   CHECK(std::chrono::steady_clock::now() - t0 < 3s);
   resume_paused_holder(c, s, k);
+}
+
+TEST_CASE("postgres: a batch SIGKILLed midway: every item whose handler returned is a duplicate after",
+          "[postgres][process][batch]") {
+  idem::PostgresStore s = pgtest::store();
+  s.migrate();
+  const std::string prefix = "b" + pgtest::random_hex() + ":";
+  constexpr int items = 40;
+  Child c({IDEM_PG_WORKER, "batch", pgtest::conninfo(), prefix, std::to_string(items), "15"});
+  // Killed after a random number of handlers: each one's completion was sent (and, being its own
+  // transaction, committed) as it returned.
+  std::mt19937 rng(std::random_device{}());
+  const int wait_for = 5 + static_cast<int>(rng() % 25);
+  std::vector<int> ran;
+  for (int i = 0; i < wait_for; ++i) {
+    const std::string l = c.read_line();
+    REQUIRE(l.rfind("ran ", 0) == 0);
+    ran.push_back(std::stoi(l.substr(4)));
+  }
+  c.signal(SIGKILL);
+  CHECK(c.wait() == -SIGKILL);
+  // The last "ran" may not have sent its completion yet (killed between the two); every earlier
+  // one was sent at least a handler (15 ms) before the kill, and ran and committed on its own.
+  int completed = 0;
+  for (std::size_t k = 0; k + 1 < ran.size(); ++k) {
+    auto rec = s.inspect(prefix + std::to_string(ran[k]));
+    REQUIRE(rec);
+    CHECK(rec->state == idem::State::completed);
+    completed += rec->state == idem::State::completed;
+  }
+  INFO("killed after " << wait_for << " handlers of " << items);
+  CHECK(completed == wait_for - 1);
+  idem::IdempotencyGuard g(s, {.lease = 30s, .retention = 600s});
+  std::vector<std::string> keys;
+  for (std::size_t k = 0; k + 1 < ran.size(); ++k) keys.push_back(prefix + std::to_string(ran[k]));
+  std::vector<idem::BatchItem> again;
+  for (const auto& k : keys) again.push_back({k, ""});
+  int reran = 0;
+  auto r = g.run_batch(again, [&](const idem::BatchItem&) { return ++reran; });
+  CHECK(reran == 0);
+  for (std::size_t k = 0; k < again.size(); ++k) {
+    CHECK(r.outcomes[k].status == idem::Status::duplicate);
+    CHECK(*r.outcomes[k].value == ran[k]);
+  }
+  // The items not reached stay claimed until their lease lapses: not run by anyone meanwhile.
+  auto rest = s.acquire(prefix + std::to_string(items - 1), pgtest::ap(7));
+  CHECK(rest.status == idem::AcquireStatus::in_flight);
 }
 
 TEST_CASE("postgres: after a server restart the first call on each of N idle pooled sessions succeeds",

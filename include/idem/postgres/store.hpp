@@ -7,9 +7,12 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "idem/core/batch_store.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
 #include "idem/postgres/client.hpp"
@@ -160,6 +163,42 @@ class PostgresStore {
   /// A snapshot of the live record, or nullopt if absent or expired; corrupt_record_error if unreadable.
   std::optional<Record> inspect(std::string_view key);
 
+  /// Decides each request exactly as acquire() would (BatchStore), each with its own token,
+  /// fingerprint, lease, retention and owner, in one round trip: one statement per 128 keys
+  /// (docs/postgres.md, "Batches"), pipelined, each its own transaction; results in request order.
+  /// A chunk that meets a row locked by another transaction is decided key by key instead (in one
+  /// more round trip), so such a key answers in_flight exactly as acquire() answers it. A lost
+  /// reply is asked again once as the same holders. On an error it throws after reading every
+  /// answer; keys acquired by other chunks lapse after their lease (fail closed).
+  std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests);
+
+  /// The writes of one batch (BatchWriter): complete() and fail() send their statement at once on
+  /// a session held for the batch (libpq pipeline mode, a sync after each: every write is its own
+  /// transaction and commits as soon as the server reaches it) and return; finish() reads every
+  /// answer, statuses in the order of the writes. Writes whose answer is lost (or that could not
+  /// leave) are asked again once, as the same holder, on another session; what cannot be settled
+  /// throws from finish() (outcome_unknown_error for a write that may have run). One thread.
+  class BatchWriter {
+   public:
+    BatchWriter(BatchWriter&&) noexcept;             ///< Movable.
+    BatchWriter& operator=(BatchWriter&&) noexcept;  ///< Movable.
+    ~BatchWriter();  ///< Reads the answers finish() was not called for, and gives the session back.
+    /// Sends the completion of `key` by `h` now (usage_error, nothing sent, over max_result_bytes).
+    void complete(std::string_view key, const Holder& h, std::string_view result, millis retention);
+    /// Sends the failure (or release) of `key` by `h` now.
+    void fail(std::string_view key, const Holder& h, const FailParams& f);
+    /// Every answer, in the order of the writes; throws what a write could not settle.
+    std::vector<WriteStatus> finish();
+
+   private:
+    friend class PostgresStore;
+    struct Impl;
+    explicit BatchWriter(std::unique_ptr<Impl> impl);
+    std::unique_ptr<Impl> impl_;
+  };
+  /// A writer for one batch (BatchStore); it holds one pooled session from its first write to finish().
+  BatchWriter batch_writer();
+
   /// Claims `key` in a new transaction (transactional mode); see TransactionalStore.
   Transaction begin(std::string_view key, const AcquireParams& params);
 
@@ -189,5 +228,8 @@ static_assert(StateStore<PostgresStore>);
 static_assert(TransactionalStore<PostgresStore>);
 static_assert(HasStoreLimits<PostgresStore>);
 static_assert(CompletesUnavailable<PostgresStore>);
+// Lease mode's batch path; in transactional mode the guard runs a batch item by item (each
+// handler's writes commit in its own claiming transaction), whatever the store offers.
+static_assert(BatchStore<PostgresStore>);
 
 }  // namespace idem
