@@ -461,15 +461,21 @@ void guard_replays_and_records_failures(F& f) {
   CHECK(*second.value == "1/1");
 }
 
-// A polled batch through the guard: every kind of item in one call (BatchStore or not).
-template <class F>
-void batch_mixed_items(F& f) {
-  auto& s = f.store();
+// The batch cases' guard: a long lease, in_flight answered at once, failures released.
+inline GuardOptions batch_guard_options() {
   GuardOptions o;
   o.lease = 30s;
   o.retention = 600s;
   o.wait_for_in_flight = 0ms;
   o.failure.mode = FailureMode::release;
+  return o;
+}
+
+// A polled batch through the guard: every kind of item in one call (BatchStore or not).
+template <class F>
+void batch_mixed_items(F& f) {
+  auto& s = f.store();
+  const GuardOptions o = batch_guard_options();
   IdempotencyGuard guard(s, o);
   GuardOptions once = o;
   once.failure.mode = FailureMode::record;
@@ -546,11 +552,7 @@ void batch_mixed_items(F& f) {
 template <class F>
 void batch_takeover_and_stop(F& f) {
   auto& s = f.store();
-  GuardOptions o;
-  o.lease = 30s;
-  o.retention = 600s;
-  o.wait_for_in_flight = 0ms;
-  o.failure.mode = FailureMode::release;
+  const GuardOptions o = batch_guard_options();
   IdempotencyGuard guard(s, o);
   const auto lapsed = f.key("b-lapsed"), a = f.key("b-a"), bad = f.key("b-bad"), c = f.key("b-c");
   REQUIRE(s.acquire(lapsed, params(902, f.short_lease())).status == AcquireStatus::acquired);

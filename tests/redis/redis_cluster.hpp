@@ -182,19 +182,9 @@ public:
                                "): " + (c ? c->errstr : "alloc"));
     redisSetTimeout(c.get(), tv);
     auto run = [&](const std::vector<std::string>& a) {
-      std::vector<const char*> argv;
-      std::vector<size_t> lens;
-      for (const auto& s : a) {
-        argv.push_back(s.data());
-        lens.push_back(s.size());
-      }
-      auto* r = static_cast<redisReply*>(
-          redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-      if (r == nullptr)
-        throw std::runtime_error("test: command on cluster node " + std::to_string(i) + " failed: " + c->errstr);
-      ClusterReply out = convert(r);
-      freeReplyObject(r);
-      return out;
+      auto r = command_argv(c.get(), a);
+      if (!r) throw std::runtime_error("test: command on cluster node " + std::to_string(i) + " failed: " + c->errstr);
+      return convert(r.get());
     };
     const ClusterReply auth = run({"AUTH", admin_user, admin_password_});
     if (auth.text() != "OK") throw std::runtime_error("test: admin AUTH failed on node " + addr(i) + ": " + auth.text());

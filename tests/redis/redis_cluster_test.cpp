@@ -353,46 +353,8 @@ TEST_CASE("redis cluster: batches of 500 keys over all nodes answer in input ord
 
 namespace {
 
-struct Child {
-  pid_t pid = -1;
-  int out = -1;
-
-  static Child start(const std::vector<std::string>& args) {
-    int p[2];
-    REQUIRE(::pipe(p) == 0);
-    std::vector<std::string> argv{IDEM_REDIS_CLUSTER_WORKER};
-    argv.insert(argv.end(), args.begin(), args.end());
-    Child c;
-    c.pid = idem::test::spawn(argv, p[1]);
-    ::close(p[1]);
-    c.out = p[0];
-    return c;
-  }
-  std::string line() const {
-    std::string s;
-    char ch;
-    while (::read(out, &ch, 1) == 1) {
-      if (ch == '\n') return s;
-      s += ch;
-    }
-    return s;
-  }
-  std::string rest() const {
-    std::string s;
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::read(out, buf, sizeof buf)) > 0) s.append(buf, static_cast<std::size_t>(n));
-    return s;
-  }
-  int wait() {
-    int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    ::close(out);
-    pid = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-};
+using idem::test::Child;
+Child start_worker(const std::vector<std::string>& args) { return Child::start(IDEM_REDIS_CLUSTER_WORKER, args); }
 
 // What the workers printed at exit, summed.
 struct WorkerReport {
@@ -562,7 +524,7 @@ std::vector<Child> start_workers(const std::string& url, const std::string& dir,
                                   "--seed=" + std::to_string(1000 + w),
                                   "--deadline-s=" + std::to_string(sanitized ? 400 : 200)};
     if (!stop_file.empty()) args.push_back("--stop-file=" + stop_file);
-    workers.push_back(Child::start(args));
+    workers.push_back(start_worker(args));
   }
   for (auto& w : workers) REQUIRE(w.line() == "ready");
   return workers;

@@ -24,47 +24,8 @@ using idem::test::RedisServer;
 
 namespace {
 
-struct Child {
-  pid_t pid = -1;
-  int out = -1;  // read end of the child's stdout
-
-  static Child start(const std::vector<std::string>& args) {
-    int p[2];
-    REQUIRE(::pipe(p) == 0);
-    std::vector<std::string> argv{IDEM_REDIS_WORKER};
-    argv.insert(argv.end(), args.begin(), args.end());
-    Child c;
-    c.pid = idem::test::spawn(argv, p[1]);
-    ::close(p[1]);
-    c.out = p[0];
-    return c;
-  }
-  // One line of output, or "" at EOF.
-  std::string line() const {
-    std::string s;
-    char ch;
-    while (::read(out, &ch, 1) == 1) {
-      if (ch == '\n') return s;
-      s += ch;
-    }
-    return s;
-  }
-  std::string rest() const {
-    std::string s;
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::read(out, buf, sizeof buf)) > 0) s.append(buf, static_cast<std::size_t>(n));
-    return s;
-  }
-  int wait() {
-    int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    ::close(out);
-    pid = -1;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  }
-};
+using idem::test::Child;
+Child start_worker(const std::vector<std::string>& args) { return Child::start(IDEM_REDIS_WORKER, args); }
 
 idem::AcquireParams params(std::uint64_t token, idem::millis lease = 30s) {
   idem::AcquireParams p;
@@ -82,7 +43,7 @@ TEST_CASE("redis: 8 processes on the same 500 keys execute each key exactly once
   constexpr int processes = 8, keys = 500;
   std::vector<Child> children;
   for (int i = 0; i < processes; ++i)
-    children.push_back(Child::start({"race", std::to_string(server.port()), ns, std::to_string(keys),
+    children.push_back(start_worker({"race", std::to_string(server.port()), ns, std::to_string(keys),
                                      std::to_string(1000 + i)}));
   std::map<int, int> executions;
   int done = 0, wrong = 0;
@@ -119,7 +80,7 @@ TEST_CASE("redis: 8 processes on the same 500 keys execute each key exactly once
 TEST_CASE("redis: a holder SIGKILLed mid-handler is taken over after its lease with fence+1", "[redis][process]") {
   RedisServer server;
   const std::string key = "killed-" + idem::test::random_hex();
-  Child c = Child::start({"hold", std::to_string(server.port()), key, "300"});
+  Child c = start_worker({"hold", std::to_string(server.port()), key, "300"});
   const std::string first = c.line();
   REQUIRE(first == "fence 1");
   RedisStore store(server.options());
@@ -137,7 +98,7 @@ TEST_CASE("redis: a holder SIGKILLed mid-handler is taken over after its lease w
 TEST_CASE("redis: a holder SIGSTOPped past its lease gets lease_lost and the new result stays", "[redis][process]") {
   RedisServer server;
   const std::string key = "stalled-" + idem::test::random_hex();
-  Child c = Child::start({"slow", std::to_string(server.port()), key, "300", "500"});
+  Child c = start_worker({"slow", std::to_string(server.port()), key, "300", "500"});
   REQUIRE(c.line() == "fence 1");
   ::kill(c.pid, SIGSTOP);
   std::this_thread::sleep_for(450ms);
@@ -168,7 +129,7 @@ int behind_after_kills(RedisServer& srv, bool combined, int kills, std::mt19937&
   int behind = 0;
   for (int k = 0; k < kills; ++k) {
     const std::string ns = "ord-" + idem::test::random_hex();
-    Child c = Child::start({"ordered", std::to_string(o.port), ns, std::to_string(entities),
+    Child c = start_worker({"ordered", std::to_string(o.port), ns, std::to_string(entities),
                             std::to_string(per_entity), combined ? "1" : "0"});
     REQUIRE(c.line() == "ready");
     std::this_thread::sleep_for(std::chrono::milliseconds(5 + rng() % 40));
@@ -207,7 +168,7 @@ TEST_CASE("redis: a batch SIGKILLed midway: every item whose handler returned is
   RedisServer server;
   const std::string ns = "midbatch-" + idem::test::random_hex() + "-";
   constexpr int items = 40;
-  Child c = Child::start({"batch", std::to_string(server.port()), ns, std::to_string(items), "15"});
+  Child c = start_worker({"batch", std::to_string(server.port()), ns, std::to_string(items), "15"});
   // Killed after a random number of handlers: each one's completion was sent as it returned.
   std::mt19937 rng(std::random_device{}());
   const int wait_for = 5 + static_cast<int>(rng() % 25);

@@ -77,6 +77,63 @@ inline pid_t spawn(const std::vector<std::string>& args, int out_fd = -1, int in
   return pid;
 }
 
+// One command on `c`, arguments binary-safe; null when the connection failed (c->errstr says why).
+inline std::unique_ptr<redisReply, void (*)(void*)> command_argv(redisContext* c, const std::vector<std::string>& args) {
+  std::vector<const char*> argv;
+  std::vector<size_t> lens;
+  for (const auto& a : args) {
+    argv.push_back(a.data());
+    lens.push_back(a.size());
+  }
+  return {static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data())),
+          freeReplyObject};
+}
+
+// A worker process exec'ed by a test, its stdout (and stderr) on a pipe the test reads.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;  // read end of the child's stdout
+
+  static Child start(const std::string& exe, const std::vector<std::string>& args) {
+    int p[2];
+    if (::pipe(p) != 0) throw std::runtime_error("test: pipe failed");
+    std::vector<std::string> argv{exe};
+    argv.insert(argv.end(), args.begin(), args.end());
+    Child c;
+    c.pid = spawn(argv, p[1]);
+    ::close(p[1]);
+    c.out = p[0];
+    return c;
+  }
+  // One line of output, or "" at EOF.
+  std::string line() const {
+    std::string s;
+    char ch;
+    while (::read(out, &ch, 1) == 1) {
+      if (ch == '\n') return s;
+      s += ch;
+    }
+    return s;
+  }
+  // Everything up to EOF.
+  std::string rest() const {
+    std::string s;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(out, buf, sizeof buf)) > 0) s.append(buf, static_cast<std::size_t>(n));
+    return s;
+  }
+  // Reaps it: its exit code, or 128 + the signal that ended it.
+  int wait() {
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    ::close(out);
+    pid = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  }
+};
+
 class RedisServer {
 public:
   /// Starts a server; `config` lines are appended to the generated redis.conf.
@@ -169,18 +226,9 @@ public:
     if (!c || c->err) throw std::runtime_error("test: cannot connect to the test redis-server");
     redisSetTimeout(c.get(), tv);
     auto run = [&](const std::vector<std::string>& a) {
-      std::vector<const char*> argv;
-      std::vector<size_t> lens;
-      for (const auto& s : a) {
-        argv.push_back(s.data());
-        lens.push_back(s.size());
-      }
-      auto* r = static_cast<redisReply*>(
-          redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-      if (r == nullptr) throw std::runtime_error(std::string("test: redis command failed: ") + c->errstr);
-      std::string out = flatten(r);
-      freeReplyObject(r);
-      return out;
+      auto r = command_argv(c.get(), a);
+      if (!r) throw std::runtime_error(std::string("test: redis command failed: ") + c->errstr);
+      return flatten(r.get());
     };
     const std::string auth = run({"AUTH", admin_user, admin_password_});
     if (auth != "OK") throw std::runtime_error("test: admin AUTH failed: " + auth);

@@ -75,17 +75,9 @@ inline Reply admin_query(int port, const std::string& password, const std::vecto
   if (!c || c->err) throw std::runtime_error("test: cannot connect to 127.0.0.1:" + std::to_string(port));
   redisSetTimeout(c.get(), tv);
   auto run = [&](const std::vector<std::string>& a) {
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const auto& s : a) {
-      argv.push_back(s.data());
-      lens.push_back(s.size());
-    }
-    auto* r = static_cast<redisReply*>(redisCommandArgv(c.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-    if (r == nullptr) throw std::runtime_error("test: command failed on port " + std::to_string(port) + ": " + c->errstr);
-    Reply out = Reply::from(r);
-    freeReplyObject(r);
-    return out;
+    auto r = command_argv(c.get(), a);
+    if (!r) throw std::runtime_error("test: command failed on port " + std::to_string(port) + ": " + c->errstr);
+    return Reply::from(r.get());
   };
   const Reply auth = run({"AUTH", admin_user, password});
   if (auth.str != "OK") throw std::runtime_error("test: admin AUTH failed on port " + std::to_string(port) + ": " + auth.str);
