@@ -1,7 +1,8 @@
 // Messages per second through IdempotencyGuard on a PostgresStore, each message a fresh key.
-//   idem_bench_postgres --conninfo CI --mode lease|tx|dup --clients N --seconds S [--accounts N]
+//   idem_bench_postgres --conninfo CI --mode lease|tx|dup --clients N --seconds S [--accounts N] [--batch B]
 // lease: acquire + complete (two short transactions), the handler does nothing.
 // tx:    BEGIN + claim, one business UPDATE inside the handler, completion + COMMIT (one commit).
+// --batch B > 1: each client sends B messages at a time through guard.run_batch.
 // Prints "tps <messages per second>" and "table <schema.table>".
 #include <atomic>
 #include <chrono>
@@ -22,7 +23,7 @@ using namespace std::chrono_literals;
 
 int main(int argc, char** argv) {
   std::string conninfo, mode = "lease";
-  int clients = 1, seconds = 5, accounts = 10'000;
+  int clients = 1, seconds = 5, accounts = 10'000, batch = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--conninfo") conninfo = v;
@@ -30,19 +31,20 @@ int main(int argc, char** argv) {
     else if (a == "--clients") clients = std::stoi(v);
     else if (a == "--seconds") seconds = std::stoi(v);
     else if (a == "--accounts") accounts = std::stoi(v);
+    else if (a == "--batch") batch = std::stoi(v);
     else {
       std::cerr << "unknown option " << a << "\n";
       return 2;
     }
   }
-  if ((mode != "lease" && mode != "tx" && mode != "dup") || clients < 1 || seconds < 1) {
-    std::cerr << "usage: idem_bench_postgres --conninfo CI --mode lease|tx|dup --clients N --seconds S\n";
+  if ((mode != "lease" && mode != "tx" && mode != "dup") || clients < 1 || seconds < 1 || batch < 1 || batch > 10000) {
+    std::cerr << "usage: idem_bench_postgres --conninfo CI --mode lease|tx|dup --clients N --seconds S [--batch 1..10000]\n";
     return 2;
   }
   try {
     idem::PostgresOptions o;
     o.conninfo = conninfo;
-    o.pool.size = static_cast<std::size_t>(clients);
+    o.pool.size = static_cast<std::size_t>(clients) * (batch > 1 ? 2 : 1);  // a batch holds a session for its writes
     idem::PostgresStoreOptions so;
     so.schema = "idem_bench";
     // dup: lease mode, every message a duplicate of a completed key (the redelivery path).
@@ -85,6 +87,26 @@ int main(int argc, char** argv) {
         std::uniform_int_distribution<int> acct(1, accounts);
         while (!go_flag.load()) std::this_thread::yield();
         long n = 0;
+        auto handler = [&](const auto&, const auto& ctx) {
+          if (ctx.tx) ctx.tx->exec("UPDATE bench_account SET balance = balance + 1 WHERE id = $1", acct(rng));
+          return 1;
+        };
+        std::vector<std::string> keys;
+        std::vector<idem::BatchItem> items;
+        while (batch > 1 && !stop.load(std::memory_order_relaxed)) {
+          keys.clear();
+          items.clear();
+          for (int b = 0; b < batch; ++b) keys.push_back(key_of(t, n++));
+          for (const auto& k : keys) items.push_back({k, {}});
+          try {
+            auto r = guard.run_batch(items, handler);
+            for (std::size_t i = 0; i < items.size(); ++i)
+              if (!r.errors[i] && r.outcomes[i].status == (dup ? idem::Status::duplicate : idem::Status::executed))
+                done.fetch_add(1, std::memory_order_relaxed);
+          } catch (const std::exception& e) {
+            if (errors.fetch_add(1) < 3) std::cerr << "error: " << e.what() << "\n";
+          }
+        }
         while (!stop.load(std::memory_order_relaxed)) {
           const std::string key = key_of(t, n++);
           try {
