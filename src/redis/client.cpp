@@ -245,7 +245,6 @@ void Client::load(redisContext* c, Script s, const ReplyErrorHints& hints) const
 }
 
 namespace {
-bool is_noscript(const redisReply* r) { return is_error(r) && error_code(reply_text(r)) == "NOSCRIPT"; }
 // The replica answered where a master was expected, or the server is not ready: the request ran
 // nothing, and the sentinels may know a better server.
 bool is_not_master(const redisReply* r) {

@@ -40,6 +40,8 @@ using ContextPtr = std::unique_ptr<redisContext, ContextFree>;
 inline bool is_error(const redisReply* r) { return r->type == REDIS_REPLY_ERROR; }
 inline std::string_view reply_text(const redisReply* r) { return {r->str, r->len}; }
 inline std::string_view error_code(std::string_view text) { return text.substr(0, text.find(' ')); }
+// NOSCRIPT: the script cache was flushed (or the server restarted); the call ran nothing.
+inline bool is_noscript(const redisReply* r) { return is_error(r) && error_code(reply_text(r)) == "NOSCRIPT"; }
 
 // What differs between the stores in the advice an error reply carries.
 struct ReplyErrorHints {

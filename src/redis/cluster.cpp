@@ -55,6 +55,10 @@ std::optional<Redirect> parse_redirect(std::string_view text, std::string_view f
   return r;
 }
 
+bool is_rerouted(const redisReply* r) {
+  return is_error(r) && (parse_redirect(reply_text(r)) || error_code(reply_text(r)) == "TRYAGAIN");
+}
+
 std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked_host) {
   if (r->type != REDIS_REPLY_ARRAY) bad_slots(asked_host, "not an array");
   std::vector<SlotRange> out;
@@ -343,10 +347,8 @@ std::vector<ReplyPtr> Cluster::eval_many(Script s, const Pipeline& p, std::span<
   // A call redirected (its slot moved, or is moving) ran nothing: it is sent again alone.
   for (std::size_t i = 0; i < out.size(); ++i) {
     const redisReply* r = out[i].get();
-    if (!is_error(r)) continue;
-    const std::optional<Redirect> to = parse_redirect(reply_text(r));
-    if (!to && error_code(reply_text(r)) != "TRYAGAIN") continue;
-    if (to && !to->ask) moved(*to);
+    if (!is_rerouted(r)) continue;
+    if (const auto to = parse_redirect(reply_text(r)); to && !to->ask) moved(*to);
     out[i] = routed(slots[i], script(s).name,
                     [&](Client& node, bool asking) { return node.eval_at(s, p[i], hints, resend, asking); });
   }

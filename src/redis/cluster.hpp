@@ -36,6 +36,9 @@ struct Redirect {
 // (a node that does not know its own address, "MOVED 1 :6380") is `fallback_host`.
 std::optional<Redirect> parse_redirect(std::string_view error_text, std::string_view fallback_host = "127.0.0.1");
 
+// A reply that says the call ran nothing and belongs elsewhere or later: MOVED, ASK or TRYAGAIN.
+bool is_rerouted(const redisReply* r);
+
 // One slot range and its master, from CLUSTER SLOTS.
 struct SlotRange {
   int first = 0;

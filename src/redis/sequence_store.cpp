@@ -120,12 +120,11 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   detail::check_lease(retention, "retention");
   Client& c = impl();
   auto what = [&] { return "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'"; };
-  check_complete_advance(store, key, entity);
-  const int slot = entity_slot(c, entity);
+  const int slot = checked_slot(store, key, entity);
   Command cmd = Client::evalsha(Script::complete_advance, 2);
   cmd.joined({c.options().key_prefix, key});
   entity_key(cmd, c.options(), entity).arg(h.fence).token(h.token).arg(result).arg(retention.count()).arg(seq);
-  ReplyPtr r = run(c, Script::complete_advance, cmd, slot < 0 ? -1 : slot, what);
+  ReplyPtr r = run(c, Script::complete_advance, cmd, slot, what);
   expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
   CompleteAdvanceResult out;
   if (r->element[0]->integer != 1) return out;  // lease lost: the script wrote nothing
@@ -144,7 +143,8 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   return out;
 }
 
-void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_view key, std::string_view entity) {
+// The checks complete_advance makes before sending; the slot both keys share (-1 off a cluster).
+int RedisSequenceStore::checked_slot(RedisStore& store, std::string_view key, std::string_view entity) const {
   Client& c = impl();
   // One script writes both keys, so both stores must run on one client (hence one server and db).
   if (store.client() != client())
@@ -158,6 +158,11 @@ void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_v
                       printable(entity) + "' must hash to one slot (one script writes both): put the entity's hash tag "
                       "in the key, as '{" + printable(entity) + "}:" + printable(key) +
                       "' (a key's first {...} decides its slot); or complete and advance in two steps");
+  return slot;
+}
+
+void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_view key, std::string_view entity) {
+  (void)checked_slot(store, key, entity);
 }
 
 bool RedisSequenceStore::erase(std::string_view entity) {

@@ -12,10 +12,6 @@
 
 namespace idem::detail::redis {
 
-namespace {
-bool is_noscript(const redisReply* r) { return is_error(r) && error_code(reply_text(r)) == "NOSCRIPT"; }
-}  // namespace
-
 void Client::Stream::send(Script s, std::string_view req) {
   requests_.emplace_back(s, std::string(req));
   if (broken_) return;  // finish() sends it alone
@@ -133,9 +129,7 @@ std::vector<ReplyPtr> Writes::finish(const ReplyErrorHints& hints) {
     if (s.stream != static_cast<std::size_t>(-1)) out[i] = std::move(answers[s.stream][s.index]);
     // On a cluster, a write redirected (its slot moved or is moving) or never routed ran
     // nothing: it goes alone through the cluster's routing.
-    const bool redirected = out[i] && is_error(out[i].get()) &&
-                            (parse_redirect(reply_text(out[i].get())) || error_code(reply_text(out[i].get())) == "TRYAGAIN");
-    if (m.client->clustered() && (!out[i] || redirected))
+    if (m.client->clustered() && (!out[i] || is_rerouted(out[i].get())))
       out[i] = m.client->cluster_eval(s.script, s.request, hints, Resend::same_holder, s.slot);
   }
   return out;

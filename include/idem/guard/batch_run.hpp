@@ -174,6 +174,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
         // Stop at the first error: released without counting a failure, redelivered later.
         kept[k].reset();
         writer.fail(key, ar.holder, detail::stale_release(options_.retention));
+        sent.push_back({i, Write::failed, {}});
         out.status = Status::in_flight;
         continue;
       }

@@ -72,6 +72,10 @@ public:
   /// For tests and for deleting an entity for good, never to "fix" a stale event.
   bool erase(std::string_view entity);
 
+private:
+  int checked_slot(RedisStore& store, std::string_view key, std::string_view entity) const;
+
+public:
   /// Operational diagnostics: the Redis key that holds `entity`'s sequence
   /// (key_prefix + "seq:{" + entity + "}", binary-safe), for redis-cli.
   [[nodiscard]] std::string sequence_key(std::string_view entity) const;
