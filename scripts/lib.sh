@@ -43,4 +43,5 @@ ensure_packages() {
 
 core_packages=(cmake ninja-build g++ pkg-config libssl-dev)
 all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev redis-server redis-tools
-              postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps)
+              postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps
+              libboost-dev)

@@ -11,17 +11,18 @@
 #include <utility>
 
 #include "client.hpp"
+#include "store_requests.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
 #include "idem/detail/validate.hpp"
 
 namespace idem {
 
-namespace {
+namespace detail::redis {
 
-using namespace detail::redis;
 using detail::printable;
 
+namespace {
 // Keys per batch script run: bounds the server's time inside one script (other clients wait
 // while it runs) and the reply size; longer batches are several runs in the same round trip.
 constexpr std::size_t batch_chunk = 256;
@@ -32,14 +33,15 @@ std::uint64_t token_value(std::string_view s) {
   return t;
 }
 
-[[noreturn]] void bad_reply(std::string_view what, std::string_view key) {
-  throw_bad_reply(std::string(what) + " of key '" + printable(key) +
-                  "'; is the server a Redis-compatible one running idem's scripts?");
-}
-
 std::int64_t integer(const redisReply* r, std::string_view what, std::string_view key) {
   if (r->type != REDIS_REPLY_INTEGER) bad_reply(what, key);
   return r->integer;
+}
+}  // namespace
+
+void bad_reply(std::string_view what, std::string_view key) {
+  throw_bad_reply(std::string(what) + " of key '" + printable(key) +
+                  "'; is the server a Redis-compatible one running idem's scripts?");
 }
 
 AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token) {
@@ -89,6 +91,78 @@ void check_fingerprint(const AcquireParams& p) {
                                 std::to_string(p.fingerprint.size()) + "; pass a hash (idem::fingerprint)");
 }
 
+Command eval_one(const RedisOptions& o, Script s, std::string_view key) {
+  Command cmd = Client::evalsha(s, 1);
+  cmd.joined({o.key_prefix, key});
+  return cmd;
+}
+
+Command acquire_command(const RedisOptions& o, std::string_view key, const AcquireParams& p) {
+  detail::check_acquire(key, p);
+  check_fingerprint(p);
+  Command cmd = eval_one(o, Script::acquire, key);
+  cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(p.owner.substr(0, 255));
+  return cmd;
+}
+
+Command complete_command(const RedisOptions& o, std::string_view key, const Holder& h, std::string_view text,
+                         millis retention, bool unavailable) {
+  detail::check_holder(key, h);
+  detail::check_lease(retention, "retention");
+  Command cmd = eval_one(o, Script::complete, key);
+  cmd.arg(h.fence).token(h.token).arg(text).arg(retention.count());
+  if (unavailable) cmd.arg("1");
+  return cmd;
+}
+
+Command fail_command(const RedisOptions& o, std::string_view key, const Holder& h, const FailParams& f) {
+  detail::check_holder(key, h);
+  detail::check_lease(f.retention, "retention");
+  Command cmd = eval_one(o, Script::fail, key);
+  cmd.arg(h.fence).token(h.token).arg(f.error).arg(f.release ? "1" : "0").arg(f.permanent ? "1" : "0");
+  cmd.arg(std::max<std::int64_t>(0, f.backoff.count())).arg(f.retention.count());
+  return cmd;
+}
+
+Command extend_command(const RedisOptions& o, std::string_view key, const Holder& h, millis lease) {
+  detail::check_holder(key, h);
+  detail::check_lease(lease);
+  Command cmd = eval_one(o, Script::extend, key);
+  cmd.arg(h.fence).token(h.token).arg(lease.count());
+  return cmd;
+}
+
+Command inspect_command(const RedisOptions& o, std::string_view key) {
+  detail::check_key(key, static_cast<std::size_t>(-1));
+  return eval_one(o, Script::inspect, key);
+}
+
+std::optional<Record> parse_inspect(const redisReply* r, std::string_view key) {
+  if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+  if (r->type != REDIS_REPLY_ARRAY || r->elements != 9) bad_reply("inspect", key);
+  auto str = [&](std::size_t i) {
+    const redisReply* e = r->element[i];
+    if (e->type != REDIS_REPLY_STRING) bad_reply("inspect", key);
+    return std::string(e->str, e->len);
+  };
+  auto num = [&](std::size_t i) { return integer(r->element[i], "inspect", key); };
+  Record rec;
+  const std::int64_t st = num(0);
+  if (st < 1 || st > 3) bad_reply("inspect", key);
+  rec.state = static_cast<State>(st);
+  rec.holder.fence = static_cast<std::uint64_t>(num(1));
+  rec.attempts = static_cast<std::uint32_t>(rec.holder.fence);
+  rec.holder.token = token_value(str(2));
+  rec.owner = str(3);
+  rec.lease_until_ms = num(4);
+  rec.retry_at_ms = num(5);
+  rec.permanent = num(6) != 0;
+  rec.fingerprint = str(7);
+  // A completed record's permanent bit: completed without its result, the payload says why.
+  (rec.state == State::failed || rec.permanent ? rec.error : rec.result) = str(8);
+  return rec;
+}
+
 // Bytes of one call kept for everything but the largest argument (script SHA, fence, token,
 // numbers, the fingerprint and header the record adds to a result): a generous bound, an eighth
 // of a small proto-max-bulk-len (its minimum is 1 MiB).
@@ -132,12 +206,12 @@ StoreLimits check_server(Client& client) {
                      .max_result_bytes = static_cast<std::size_t>(most)};
 }
 
-// One key's EVALSHA: the script, its key, then the caller's arguments.
-Command eval_one(const RedisOptions& o, Script s, std::string_view key) {
-  Command cmd = Client::evalsha(s, 1);
-  cmd.joined({o.key_prefix, key});
-  return cmd;
-}
+}  // namespace detail::redis
+
+namespace {
+
+using namespace detail::redis;
+
 
 // Every script but inspect is a holder's step that recognises itself done, so a lost reply is
 // asked again as the same holder (Resend::same_holder); inspect only reads.
@@ -237,40 +311,18 @@ RedisStore::RedisStore(std::shared_ptr<RedisClient> client)
     : ClientHandle(std::move(client), "RedisStore"), limits_(check_server(impl())) {}
 
 AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) {
-  detail::check_acquire(key, p);
-  check_fingerprint(p);
   Client& c = impl();
-  Command cmd = eval_one(c.options(), Script::acquire, key);
-  cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(p.owner.substr(0, 255));
+  Command cmd = acquire_command(c.options(), key, p);
   return parse_acquire(run_one(c, Script::acquire, cmd, key).get(), key, p.token);
 }
 
 namespace {
-// complete.lua, with (unavailable) or without its fifth argument.
-Command complete_command(const RedisOptions& o, std::string_view key, const Holder& h, std::string_view text,
-                         millis retention, bool unavailable) {
-  detail::check_holder(key, h);
-  detail::check_lease(retention, "retention");
-  Command cmd = eval_one(o, Script::complete, key);
-  cmd.arg(h.fence).token(h.token).arg(text).arg(retention.count());
-  if (unavailable) cmd.arg("1");
-  return cmd;
-}
-
 WriteStatus complete_one(Client& c, std::string_view key, const Holder& h, std::string_view text, millis retention,
                          bool unavailable) {
   Command cmd = complete_command(c.options(), key, h, text, retention, unavailable);
   return parse_write(run_one(c, Script::complete, cmd, key).get(), "complete", key);
 }
 
-Command fail_command(const RedisOptions& o, std::string_view key, const Holder& h, const FailParams& f) {
-  detail::check_holder(key, h);
-  detail::check_lease(f.retention, "retention");
-  Command cmd = eval_one(o, Script::fail, key);
-  cmd.arg(h.fence).token(h.token).arg(f.error).arg(f.release ? "1" : "0").arg(f.permanent ? "1" : "0");
-  cmd.arg(std::max<std::int64_t>(0, f.backoff.count())).arg(f.retention.count());
-  return cmd;
-}
 }  // namespace
 
 WriteStatus RedisStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
@@ -359,42 +411,15 @@ RedisStore::BatchWriter RedisStore::batch_writer() {
 }
 
 WriteStatus RedisStore::extend(std::string_view key, const Holder& h, millis lease) {
-  detail::check_holder(key, h);
-  detail::check_lease(lease);
   Client& c = impl();
-  Command cmd = eval_one(c.options(), Script::extend, key);
-  cmd.arg(h.fence).token(h.token).arg(lease.count());
+  Command cmd = extend_command(c.options(), key, h, lease);
   return parse_write(run_one(c, Script::extend, cmd, key).get(), "extend", key);
 }
 
 std::optional<Record> RedisStore::inspect(std::string_view key) {
-  detail::check_key(key, static_cast<std::size_t>(-1));
   Client& c = impl();
-  Command cmd = eval_one(c.options(), Script::inspect, key);
-  ReplyPtr r = run_one(c, Script::inspect, cmd, key);
-  if (r->type == REDIS_REPLY_NIL) return std::nullopt;
-  if (r->type != REDIS_REPLY_ARRAY || r->elements != 9) bad_reply("inspect", key);
-  auto str = [&](std::size_t i) {
-    const redisReply* e = r->element[i];
-    if (e->type != REDIS_REPLY_STRING) bad_reply("inspect", key);
-    return std::string(e->str, e->len);
-  };
-  auto num = [&](std::size_t i) { return integer(r->element[i], "inspect", key); };
-  Record rec;
-  const std::int64_t st = num(0);
-  if (st < 1 || st > 3) bad_reply("inspect", key);
-  rec.state = static_cast<State>(st);
-  rec.holder.fence = static_cast<std::uint64_t>(num(1));
-  rec.attempts = static_cast<std::uint32_t>(rec.holder.fence);
-  rec.holder.token = token_value(str(2));
-  rec.owner = str(3);
-  rec.lease_until_ms = num(4);
-  rec.retry_at_ms = num(5);
-  rec.permanent = num(6) != 0;
-  rec.fingerprint = str(7);
-  // A completed record's permanent bit: completed without its result, the payload says why.
-  (rec.state == State::failed || rec.permanent ? rec.error : rec.result) = str(8);
-  return rec;
+  Command cmd = inspect_command(c.options(), key);
+  return parse_inspect(run_one(c, Script::inspect, cmd, key).get(), key);
 }
 
 std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p) {

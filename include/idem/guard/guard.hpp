@@ -114,6 +114,15 @@ public:
   template <class F>
   auto run_batch(std::span<const BatchItem> items, F&& handler, BatchOptions batch = {});
 
+  /// run() for event loops: returns a `boost::asio::awaitable<Outcome<R>>` to `co_await` (or to
+  /// `co_spawn` with a completion callback), defined in idem/asio/guard.hpp (include it). On a
+  /// store with async operations (AsyncRedisStore) no thread blocks: one thread keeps any number
+  /// of runs in flight; other stores are called inline (fine for MemoryStore, blocking for a
+  /// networked one). The handler returns a value or an awaitable of one; a non-empty `payload`
+  /// is fingerprinted as in run(key, payload, handler). Key and payload are copied.
+  template <class F>
+  auto run_async(std::string key, std::string payload, F handler);
+
   /// The options in force (owner filled in).
   [[nodiscard]] const GuardOptions& options() const noexcept { return options_; }
   /// The store this guard runs on.

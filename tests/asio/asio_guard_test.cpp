@@ -1,0 +1,242 @@
+// IdempotencyGuard::run_async on MemoryStore (called inline) and AsyncRedisStore (awaited), and
+// AsyncRedisStore's one connection under load, faults and bad configuration.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <csignal>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <boost/asio/steady_timer.hpp>
+
+#include "asio_factory.hpp"
+#include "idem/memory/memory_store.hpp"
+
+using namespace std::chrono_literals;
+namespace asio = boost::asio;
+using idem::test::AsyncRedisFactory;
+using idem::test::IoThread;
+using idem::test::random_hex;
+
+namespace {
+
+struct Amount {
+  int cents = 0;
+};
+
+// One key, twice, then once with another payload: executed, duplicate (same value), mismatch.
+template <class Store>
+void runs_once_and_replays(IoThread& io, Store& store) {
+  idem::IdempotencyGuard guard{store, {.lease = 5s, .retention = 60s}};
+  const std::string key = "once-" + random_hex();
+  std::atomic<int> ran{0};
+  auto run = [&](std::string payload) {
+    return io.run(guard.run_async(key, payload, [&](const idem::Context& ctx) {
+      ++ran;
+      CHECK(ctx.fence == 1);
+      return std::string("charged");
+    }));
+  };
+  auto first = run("p");
+  CHECK(first.status == idem::Status::executed);
+  CHECK(*first.value == "charged");
+  auto second = run("p");
+  CHECK(second.status == idem::Status::duplicate);
+  CHECK(*second.value == "charged");
+  CHECK(run("other").status == idem::Status::mismatch);
+  CHECK(ran == 1);
+}
+
+// An awaitable handler, a throwing one (recorded per policy, rethrown), then the retry runs.
+template <class Store>
+void async_handler_and_failure(IoThread& io, Store& store) {
+  idem::GuardOptions o{.lease = 5s, .retention = 60s};
+  o.failure.mode = idem::FailureMode::record;
+  o.failure.backoff = 0ms;
+  idem::IdempotencyGuard guard{store, o};
+  const std::string key = "async-" + random_hex();
+  auto out = io.run(guard.run_async(key, "", [&]() -> asio::awaitable<int> {
+    asio::steady_timer t(co_await asio::this_coro::executor);
+    t.expires_after(5ms);
+    co_await t.async_wait(asio::use_awaitable);
+    co_return 42;
+  }));
+  CHECK(out.status == idem::Status::executed);
+  CHECK(*out.value == 42);
+
+  const std::string failing = "fails-" + random_hex();
+  CHECK_THROWS_WITH(io.run(guard.run_async(failing, "", []() -> int { throw std::runtime_error("card declined"); })),
+                    "card declined");
+  auto rec = store.inspect(failing);
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::failed);
+  auto retry = io.run(guard.run_async(failing, "", [] { return 7; }));
+  CHECK(retry.status == idem::Status::executed);
+  CHECK(retry.attempt == 2);
+}
+
+// `n` keys, each run twice at once, all `n * 2` runs in flight together on the io thread.
+template <class Store>
+std::map<idem::Status, int> many_in_flight(IoThread& io, Store& store, int n, std::atomic<int>& ran) {
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 60s, .wait_for_in_flight = 0ms}};
+  const std::string ns = "many-" + random_hex() + ":";
+  std::promise<void> all_done;
+  auto left = std::make_shared<std::atomic<int>>(n * 2);
+  auto counts = std::make_shared<std::map<idem::Status, int>>();
+  auto mu = std::make_shared<std::mutex>();
+  for (int i = 0; i < n * 2; ++i) {
+    asio::co_spawn(io.io, guard.run_async(ns + std::to_string(i % n), "", [&ran] { return ++ran; }),
+                   [&, left, counts, mu](std::exception_ptr e, idem::Outcome<int> out) {
+                     {
+                       std::lock_guard lock(*mu);
+                       if (e) ++(*counts)[idem::Status::previously_failed];  // never expected
+                       else ++(*counts)[out.status];
+                     }
+                     if (--*left == 0) all_done.set_value();
+                   });
+  }
+  all_done.get_future().get();
+  return *counts;
+}
+
+}  // namespace
+
+TEST_CASE("run_async: executed once, replayed, mismatch (memory)", "[asio]") {
+  IoThread io;
+  idem::MemoryStore store;
+  runs_once_and_replays(io, store);
+}
+
+TEST_CASE("run_async: executed once, replayed, mismatch (AsyncRedisStore)", "[asio]") {
+  AsyncRedisFactory f;
+  runs_once_and_replays(f.io, f.store());
+}
+
+TEST_CASE("run_async: awaitable handler, failure recorded and retried (memory)", "[asio]") {
+  IoThread io;
+  idem::MemoryStore store;
+  async_handler_and_failure(io, store);
+}
+
+TEST_CASE("run_async: awaitable handler, failure recorded and retried (AsyncRedisStore)", "[asio]") {
+  AsyncRedisFactory f;
+  async_handler_and_failure(f.io, f.store());
+}
+
+TEST_CASE("run_async: 1000 runs in flight on one thread and one connection, each key once", "[asio]") {
+  AsyncRedisFactory f;
+  std::atomic<int> ran{0};
+  auto counts = many_in_flight(f.io, f.store(), 500, ran);
+  CHECK(ran == 500);
+  CHECK(counts[idem::Status::executed] == 500);
+  // The second run of each key finds it in flight or completed; never an error.
+  CHECK(counts[idem::Status::in_flight] + counts[idem::Status::duplicate] == 500);
+  CHECK(counts[idem::Status::previously_failed] == 0);
+  const idem::AsyncRedisStats st = f.store().stats();
+  CHECK(st.connects == 1);
+  INFO("requests " << st.requests << " in " << st.writes << " writes");
+  CHECK(st.requests >= 2 * st.writes);  // pipelined: many requests per write
+}
+
+TEST_CASE("AsyncRedisStore: blocking calls from 16 threads share one connection", "[asio]") {
+  AsyncRedisFactory f;
+  idem::IdempotencyGuard guard{f.store(), {.lease = 10s, .retention = 60s}};
+  const std::string ns = "threads-" + random_hex() + ":";
+  std::atomic<int> ran{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 16; ++t)
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 100; ++i) guard.run(ns + std::to_string((t * 100 + i) % 800), [&] { ++ran; });
+    });
+  for (auto& t : threads) t.join();
+  CHECK(ran == 800);
+  CHECK(f.store().stats().connects == 1);
+}
+
+TEST_CASE("AsyncRedisStore: a killed server fails calls closed, then it reconnects by itself", "[asio]") {
+  idem::test::RedisServer server;
+  IoThread io;
+  idem::RedisOptions o = server.options();
+  o.command_timeout = 1s;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  const std::string ns = "kill-" + random_hex() + ":";
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 60s}};
+  CHECK(io.run(guard.run_async(ns + "before", "", [] { return 1; })).status == idem::Status::executed);
+  server.stop(SIGKILL);
+  // Down: an error, retryable, never a duplicate and never a handler run.
+  bool ran = false;
+  try {
+    (void)io.run(guard.run_async(ns + "down", "", [&] { ran = true; return 1; }));
+    FAIL("a call against a dead server succeeded");
+  } catch (const idem::store_error& e) {
+    CHECK(e.retryable());
+  }
+  CHECK_FALSE(ran);
+  server.start();
+  auto after = io.run(guard.run_async(ns + "after", "", [] { return 2; }));
+  CHECK(after.status == idem::Status::executed);
+  // What completed before the crash is gone with it (no persistence here), so only the reconnect is checked.
+  CHECK(store.stats().connects >= 2);
+}
+
+TEST_CASE("AsyncRedisStore: a stopped server times out in doubt; SIGCONT and it serves again", "[asio]") {
+  idem::test::RedisServer server;
+  IoThread io;
+  idem::RedisOptions o = server.options();
+  o.command_timeout = 300ms;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  const std::string ns = "stop-" + random_hex() + ":";
+  idem::AcquireParams p = idem::test::acquire_params(1);
+  auto first = store.acquire(ns + "a", p);
+  REQUIRE(first.status == idem::AcquireStatus::acquired);
+  ::kill(server.pid(), SIGSTOP);
+  const auto t0 = std::chrono::steady_clock::now();
+  // The complete is lost twice (first sending, then the resend on a fresh connection, which
+  // cannot even connect in time): its outcome is unknown, never assumed.
+  CHECK_THROWS_AS(store.complete(ns + "a", first.holder, "r", 60s), idem::store_error);
+  CHECK(std::chrono::steady_clock::now() - t0 < 10s);
+  ::kill(server.pid(), SIGCONT);
+  // The same holder asks again: the server ran the step at most once, and answers it as done.
+  CHECK(store.complete(ns + "a", first.holder, "r", 60s) == idem::WriteStatus::ok);
+  auto again = store.acquire(ns + "a", idem::test::acquire_params(2));
+  CHECK(again.status == idem::AcquireStatus::duplicate);
+  CHECK(again.payload == "r");
+}
+
+TEST_CASE("AsyncRedisStore: SCRIPT FLUSH under load reloads and resends", "[asio]") {
+  AsyncRedisFactory f;
+  const std::string ns = "flush-" + random_hex() + ":";
+  CHECK(f.store().acquire(ns + "a", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  AsyncRedisFactory::server().command({"SCRIPT", "FLUSH"});
+  CHECK(f.store().acquire(ns + "b", idem::test::acquire_params(2)).status == idem::AcquireStatus::acquired);
+  CHECK(f.store().stats().reloads >= 1);
+}
+
+TEST_CASE("AsyncRedisStore: bad configuration is refused at construction", "[asio]") {
+  IoThread io;
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "redis-cluster://127.0.0.1:7000"}),
+                  idem::invalid_options_error);
+  idem::RedisOptions acks = AsyncRedisFactory::server().options();
+  acks.min_replica_acks = 1;
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), acks), idem::invalid_options_error);
+  idem::RedisOptions nowhere;
+  nowhere.port = idem::test::free_port();
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), nowhere), idem::connection_error);
+  idem::test::RedisServer lru{{"maxmemory 100mb", "maxmemory-policy allkeys-lru"}};
+  try {
+    idem::AsyncRedisStore s(io.io.get_executor(), lru.options());
+    FAIL("an evicting server was accepted");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "EVICTION");
+  }
+}
+
+TEST_CASE("AsyncRedisStore: bad input fails the call, nothing is sent", "[asio]") {
+  AsyncRedisFactory f;
+  idem::Holder none{};
+  CHECK_THROWS_AS(f.store().complete("k", none, "r", 60s), idem::usage_error);
+  CHECK_THROWS_AS(f.store().acquire("", idem::test::acquire_params(1)), idem::invalid_key_error);
+  CHECK(f.store().stats().requests == 0);
+}
