@@ -1,0 +1,389 @@
+// idem in the peer benchmark's table (../shared/peers style): the same four cases as its bench.mjs
+// (new keys / duplicates, 1 and --conc in flight; a no-op handler returning {"ok":true,"n":100};
+// --dupkeys completed keys replayed round-robin; FLUSHALL before each run; a warm-up, then --reps
+// timed runs of --ops, median), for three ways of running idem's guard:
+//   blocking     RedisStore (pooled connections), one thread per call in flight
+//   multiplexed  AsyncRedisStore's blocking calls, one thread per call in flight, one connection
+//   async        run_async on AsyncRedisStore: one thread, --conc coroutines in flight, one connection
+// and writes bench.mjs's JSON schema (--json FILE), one "peer" per mode, so the harness's report
+// puts the rows next to the peers'. Server commands per call come from INFO commandstats deltas.
+#include <utility>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <future>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include <hiredis/hiredis.h>
+
+#include "idem/asio/guard.hpp"
+#include "idem/asio/redis_store.hpp"
+#include "idem/redis.hpp"
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+using namespace std::chrono_literals;
+
+namespace {
+
+struct Args {
+  int port = 6390;
+  int ops = 20000, reps = 3, warmup = 2000, conc = 16, dupkeys = 1000;
+  std::vector<std::string> modes{"blocking", "multiplexed", "async"};
+  std::vector<std::string> cases{"new-seq", "new-c16", "dup-seq", "dup-c16"};
+  std::string json;
+};
+
+const std::string kResult = R"({"ok":true,"n":100})";
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream in(s);
+  for (std::string x; std::getline(in, x, ',');)
+    if (!x.empty()) out.push_back(x);
+  return out;
+}
+
+[[noreturn]] void usage(int rc) {
+  std::fprintf(rc ? stderr : stdout,
+               "usage: idem_peers_bench [--redis-port P] [--json FILE] [--ops N] [--reps N] [--warmup N]\n"
+               "                        [--conc N] [--dupkeys N] [--modes blocking,multiplexed,async]\n"
+               "                        [--cases new-seq,new-c16,dup-seq,dup-c16]\n"
+               "Runs idem's guard in the peer benchmark's cases against a running redis-server on 127.0.0.1\n"
+               "(FLUSHALL before each run: use a server of its own) and prints one line per case; --json\n"
+               "writes the peer harness's schema (bench.mjs) so its report.mjs puts idem next to the peers.\n");
+  std::exit(rc);
+}
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) usage(2);
+      return argv[++i];
+    };
+    if (k == "--help" || k == "-h") usage(0);
+    else if (k == "--redis-port" || k == "--port") a.port = std::stoi(next());
+    else if (k == "--json" || k == "--out") a.json = next();
+    else if (k == "--ops") a.ops = std::stoi(next());
+    else if (k == "--reps") a.reps = std::stoi(next());
+    else if (k == "--warmup") a.warmup = std::stoi(next());
+    else if (k == "--conc") a.conc = std::stoi(next());
+    else if (k == "--dupkeys") a.dupkeys = std::stoi(next());
+    else if (k == "--modes") a.modes = split(next());
+    else if (k == "--cases") a.cases = split(next());
+    else {
+      std::fprintf(stderr, "idem_peers_bench: unknown option %s\n", k.c_str());
+      usage(2);
+    }
+  }
+  if (a.ops <= 0 || a.reps <= 0 || a.conc <= 0 || a.dupkeys <= 0) usage(2);
+  return a;
+}
+
+// The bench's own connection: FLUSHALL and INFO commandstats.
+class Admin {
+public:
+  explicit Admin(int port) : c_(redisConnect("127.0.0.1", port)) {
+    if (c_ == nullptr || c_->err) throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
+  }
+  ~Admin() { redisFree(c_); }
+  std::string command(const char* cmd) {
+    auto* r = static_cast<redisReply*>(redisCommand(c_, cmd));
+    if (r == nullptr) throw std::runtime_error(std::string("redis: ") + c_->errstr);
+    std::string s = r->str ? std::string(r->str, r->len) : std::string{};
+    freeReplyObject(r);
+    return s;
+  }
+  std::map<std::string, long long> commandstats() {
+    std::map<std::string, long long> out;
+    std::istringstream in(command("INFO commandstats"));
+    for (std::string line; std::getline(in, line);) {
+      if (line.rfind("cmdstat_", 0) != 0) continue;
+      const auto colon = line.find(':');
+      const auto calls = line.find("calls=");
+      if (colon == std::string::npos || calls == std::string::npos) continue;
+      out[line.substr(8, colon - 8)] = std::atoll(line.c_str() + calls + 6);
+    }
+    return out;
+  }
+
+private:
+  redisContext* c_;
+};
+
+struct RunResult {
+  double ops_per_sec = 0, p50 = 0, p99 = 0, ms = 0, cmds_per_op = 0;
+  std::map<std::string, double> cmds;
+};
+
+// Runs `calls` (keys in order) with `conc` in flight; `call(i)` returns the outcome's check.
+double pct(std::vector<double>& v, double p) {
+  return v[std::min(v.size() - 1, static_cast<std::size_t>(p / 100 * static_cast<double>(v.size())))];
+}
+
+class Mode {
+public:
+  virtual ~Mode() = default;
+  // Runs keys[0..n) with `conc` in flight; latencies in ms per call; returns handler runs.
+  virtual void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) = 0;
+  std::atomic<long long> handler_calls{0};
+  std::atomic<long long> bad{0};
+};
+
+void check(Mode& m, const idem::Outcome<std::string>& out) {
+  if (!out.value || *out.value != kResult) ++m.bad;
+}
+
+// One thread per call in flight, each taking the next key; `Guard` runs blocking.
+template <class Guard>
+void threaded(Mode& m, Guard& g, const std::vector<std::string>& keys, int conc, std::vector<double>& lat) {
+  std::atomic<std::size_t> next{0};
+  std::vector<std::thread> ts;
+  for (int t = 0; t < conc; ++t)
+    ts.emplace_back([&] {
+      for (;;) {
+        const std::size_t i = next++;
+        if (i >= keys.size()) return;
+        const auto s = Clock::now();
+        check(m, g.run(keys[i], [&] {
+          ++m.handler_calls;
+          return kResult;
+        }));
+        lat[i] = std::chrono::duration<double, std::milli>(Clock::now() - s).count();
+      }
+    });
+  for (auto& t : ts) t.join();
+}
+
+class Blocking final : public Mode {
+public:
+  explicit Blocking(int port, int conc)
+      : store_([&] {
+          idem::RedisOptions o;
+          o.port = port;
+          o.pool.size = static_cast<std::size_t>(std::max(conc, 1));
+          return o;
+        }()),
+        guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
+    threaded(*this, guard_, keys, conc, lat);
+  }
+
+private:
+  idem::RedisStore store_;
+  idem::IdempotencyGuard<idem::RedisStore> guard_;
+};
+
+// An io_context on its own thread, for AsyncRedisStore.
+struct IoThread {
+  asio::io_context io{1};
+  asio::executor_work_guard<asio::io_context::executor_type> work = asio::make_work_guard(io);
+  std::thread thread{[this] { io.run(); }};
+  ~IoThread() {
+    work.reset();
+    io.stop();
+    thread.join();
+  }
+};
+
+class Multiplexed final : public Mode {
+public:
+  explicit Multiplexed(int port) : store_(io_.io.get_executor(), options(port)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  static idem::RedisOptions options(int port) {
+    idem::RedisOptions o;
+    o.port = port;
+    return o;
+  }
+  void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
+    threaded(*this, guard_, keys, conc, lat);
+  }
+
+private:
+  IoThread io_;
+  idem::AsyncRedisStore store_;
+  idem::IdempotencyGuard<idem::AsyncRedisStore> guard_;
+};
+
+class Async final : public Mode {
+public:
+  explicit Async(int port) : store_(io_.get_executor(), Multiplexed::options(port)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  // `conc` coroutines on this thread's io_context, each taking the next key.
+  void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
+    std::size_t next = 0;
+    int live = conc;  // the connection's read stays pending, so run() would not return by itself
+    for (int w = 0; w < conc; ++w)
+      asio::co_spawn(
+          io_,
+          [&]() -> asio::awaitable<void> {
+            for (;;) {
+              const std::size_t i = next++;
+              if (i >= keys.size()) {
+                if (--live == 0) io_.stop();
+                co_return;
+              }
+              const auto s = Clock::now();
+              check(*this, co_await guard_.run_async(keys[i], "", [&] {
+                ++handler_calls;
+                return kResult;
+              }));
+              lat[i] = std::chrono::duration<double, std::milli>(Clock::now() - s).count();
+            }
+          },
+          asio::detached);
+    io_.restart();
+    io_.run();
+  }
+
+private:
+  asio::io_context io_{1};
+  idem::AsyncRedisStore store_;
+  idem::IdempotencyGuard<idem::AsyncRedisStore> guard_;
+};
+
+std::unique_ptr<Mode> make_mode(const std::string& name, const Args& a) {
+  if (name == "blocking") return std::make_unique<Blocking>(a.port, a.conc);
+  if (name == "multiplexed") return std::make_unique<Multiplexed>(a.port);
+  if (name == "async") return std::make_unique<Async>(a.port);
+  throw std::runtime_error("unknown mode '" + name + "' (blocking, multiplexed, async)");
+}
+
+int run_seq = 0;
+
+RunResult one_run(Mode& m, Admin& admin, const std::string& mode, const std::string& kase, int n, const Args& a) {
+  admin.command("FLUSHALL");
+  const std::string id = mode + "-" + std::to_string(run_seq++);
+  std::vector<std::string> keys;
+  const bool dup = kase.rfind("dup", 0) == 0;
+  if (!dup) {
+    for (int i = 0; i < n; ++i) keys.push_back(id + "-" + std::to_string(i));
+  } else {
+    std::vector<std::string> seed;
+    for (int j = 0; j < a.dupkeys; ++j) seed.push_back(id + "-dup-" + std::to_string(j));
+    std::vector<double> ignore(seed.size());
+    m.run(seed, 1, ignore);
+    for (int i = 0; i < n; ++i) keys.push_back(seed[static_cast<std::size_t>(i % a.dupkeys)]);
+  }
+  const int conc = kase.size() >= 3 && kase.substr(kase.size() - 3) == "c16" ? a.conc : 1;
+  const long long h0 = m.handler_calls;
+  m.bad = 0;
+  const auto s0 = admin.commandstats();
+  std::vector<double> lat(keys.size());
+  const auto t0 = Clock::now();
+  m.run(keys, conc, lat);
+  const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const auto s1 = admin.commandstats();
+  const long long ran = m.handler_calls - h0;
+  if (dup && ran != 0) throw std::runtime_error(mode + " " + kase + ": the handler ran " + std::to_string(ran) + " times on replayed keys");
+  if (!dup && ran != n) throw std::runtime_error(mode + " " + kase + ": the handler ran " + std::to_string(ran) + " times for " + std::to_string(n) + " new keys");
+  if (m.bad) throw std::runtime_error(mode + " " + kase + ": " + std::to_string(m.bad.load()) + " calls returned a wrong result");
+  RunResult r;
+  r.ms = ms;
+  r.ops_per_sec = n / ms * 1000;
+  std::sort(lat.begin(), lat.end());
+  r.p50 = pct(lat, 50);
+  r.p99 = pct(lat, 99);
+  long long total = 0;
+  for (const auto& [k, v] : s1) {
+    const auto it = s0.find(k);
+    const long long d = v - (it == s0.end() ? 0 : it->second);
+    if (d > 0 && k != "info") {
+      r.cmds[k] = static_cast<double>(d) / n;
+      total += d;
+    }
+  }
+  r.cmds_per_op = static_cast<double>(total) / n;
+  return r;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::string num(double x, int prec = 4) {
+  char b[64];
+  std::snprintf(b, sizeof b, "%.*f", prec, x);
+  return b;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const Args a = parse(argc, argv);
+  Admin admin(a.port);
+  std::ostringstream js;
+  js << "{\n  \"tool\": \"idem_peers_bench\",\n  \"ops\": " << a.ops << ", \"reps\": " << a.reps << ", \"warmup\": "
+     << a.warmup << ", \"conc\": " << a.conc << ", \"dupKeys\": " << a.dupkeys << ",\n  \"peers\": [";
+  bool first_peer = true;
+  for (const std::string& mode : a.modes) {
+    auto m = make_mode(mode, a);
+    const std::string label = mode == "blocking"      ? "idem IdempotencyGuard::run on RedisStore (pooled, one thread per call in flight)"
+                              : mode == "multiplexed" ? "idem IdempotencyGuard::run on AsyncRedisStore (one pipelined connection, one thread per call in flight)"
+                                                      : "idem IdempotencyGuard::run_async on AsyncRedisStore (one thread, coroutines, one pipelined connection)";
+    std::fprintf(stderr, "== idem-%s: %s\n", mode.c_str(), label.c_str());
+    js << (first_peer ? "" : ",") << "\n    {\"name\": \"idem-" << mode << "\", \"label\": \"" << label
+       << "\", \"versions\": {\"idem\": \"" << IDEM_VERSION_MAJOR << "." << IDEM_VERSION_MINOR << "." << IDEM_VERSION_PATCH
+       << "\"}, \"cases\": {";
+    first_peer = false;
+    bool first_case = true;
+    for (const std::string& kase : a.cases) {
+      (void)one_run(*m, admin, mode, kase, a.warmup, a);
+      std::vector<RunResult> runs;
+      for (int r = 0; r < a.reps; ++r) runs.push_back(one_run(*m, admin, mode, kase, a.ops, a));
+      auto med = [&](auto f) {
+        std::vector<double> v;
+        for (const auto& r : runs) v.push_back(f(r));
+        return median(v);
+      };
+      const double ops = med([](const RunResult& r) { return r.ops_per_sec; });
+      const double p50 = med([](const RunResult& r) { return r.p50; });
+      const double p99 = med([](const RunResult& r) { return r.p99; });
+      const double cpo = med([](const RunResult& r) { return r.cmds_per_op; });
+      std::string each;
+      for (const auto& r : runs) each += (each.empty() ? "" : "/") + std::to_string(static_cast<long long>(r.ops_per_sec));
+      std::fprintf(stderr, "  %-8s %8.0f ops/s  p50 %.3f ms  p99 %.3f ms  server cmds/op %.2f  runs %s\n", kase.c_str(), ops,
+                   p50, p99, cpo, each.c_str());
+      std::printf("RESULT mode=%s case=%s ops_per_sec=%.0f p50_ms=%.4f p99_ms=%.4f cmds_per_op=%.2f\n", mode.c_str(),
+                  kase.c_str(), ops, p50, p99, cpo);
+      js << (first_case ? "" : ",") << "\n      \"" << kase << "\": {\"opsPerSec\": " << num(ops, 1) << ", \"p50\": " << num(p50)
+         << ", \"p99\": " << num(p99) << ", \"serverCmdsPerOp\": " << num(cpo, 3) << ", \"cmds\": {";
+      first_case = false;
+      bool fc = true;
+      for (const auto& [k, v] : runs[0].cmds) {
+        js << (fc ? "" : ", ") << "\"" << k << "\": " << num(v, 3);
+        fc = false;
+      }
+      js << "}, \"runs\": [";
+      for (std::size_t i = 0; i < runs.size(); ++i)
+        js << (i ? ", " : "") << "{\"opsPerSec\": " << static_cast<long long>(runs[i].ops_per_sec) << ", \"p50\": "
+           << num(runs[i].p50) << ", \"p99\": " << num(runs[i].p99) << ", \"ms\": " << static_cast<long long>(runs[i].ms) << "}";
+      js << "]}";
+    }
+    js << "\n    }}";
+  }
+  js << "\n  ]\n}\n";
+  admin.command("FLUSHALL");
+  if (!a.json.empty()) {
+    std::ofstream(a.json) << js.str();
+    std::fprintf(stderr, "wrote %s\n", a.json.c_str());
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "idem_peers_bench: %s\n", e.what());
+  return 1;
+}
