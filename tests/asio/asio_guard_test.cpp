@@ -181,7 +181,7 @@ TEST_CASE("AsyncRedisStore: a killed server fails calls closed, then it reconnec
   CHECK(store.stats().connects >= 2);
 }
 
-TEST_CASE("AsyncRedisStore: a stopped server times out in doubt; SIGCONT and it serves again", "[asio]") {
+TEST_CASE("AsyncRedisStore: a stopped server times out in doubt, and after SIGCONT it serves again", "[asio]") {
   idem::test::RedisServer server;
   IoThread io;
   idem::RedisOptions o = server.options();

@@ -51,7 +51,9 @@ public:
   // loop, which then writes everything queued in one go.
   void complete(std::exception_ptr e, T value) override {
     auto ex = work_.get_executor();
-    boost::asio::post(ex, [h = std::move(handler_), e, v = std::move(value)]() mutable { std::move(h)(e, std::move(v)); });
+    boost::asio::post(ex, [h = std::move(handler_), e = std::move(e), v = std::move(value)]() mutable {
+      std::move(h)(std::move(e), std::move(v));
+    });
     work_.reset();
   }
 
