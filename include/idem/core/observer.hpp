@@ -4,6 +4,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <string_view>
@@ -37,6 +38,10 @@ public:
   virtual void on_handler_error(std::string_view /*key*/, const std::exception_ptr&) noexcept {}
   /// A store advisory (for example a Redis eviction policy that can drop idempotency keys).
   virtual void on_warning(std::string_view /*message*/) noexcept {}
+  /// The heartbeat extended a live holder's lease: from the lease keeper thread (run), or the run's executor (run_async).
+  virtual void on_lease_extended(std::string_view /*key*/, std::uint64_t /*fence*/) noexcept {}
+  /// run_batch started on `size` items (before any of them is decided).
+  virtual void on_batch(std::size_t /*size*/) noexcept {}
 };
 
 /// Observer that counts outcomes and sums latencies with atomics; read with count()/total_latency().

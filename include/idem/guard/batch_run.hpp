@@ -27,6 +27,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
                 "idem: the handler's result type needs an idem::codec<T> specialisation (see codec.hpp)");
   const std::size_t n = items.size();
   const auto started = std::chrono::steady_clock::now();
+  if (options_.observer) options_.observer->on_batch(n);
 
   BatchOutcome<R> res;
   res.outcomes.resize(n);

@@ -117,6 +117,7 @@ private:
       const Verdict v = extend(e);
       const auto now = clock::now();
       const bool lost = v == Verdict::lost || (v == Verdict::failed && now - e.last_ok >= lease_);
+      if (v == Verdict::ok && observer_) observer_->on_lease_extended(e.key, e.holder.fence);
       if (lost) {
         // The stop callbacks are the handler's code: never run them under the keeper's lock.
         if (observer_) observer_->on_lease_lost(e.key, e.holder.fence);

@@ -1,0 +1,42 @@
+// idem inspect KEY...: each record as the store holds it, with its lease on the store clock.
+
+#include <iostream>
+
+#include "common.hpp"
+
+void register_inspect(CLI::App& app, idem::tool::Globals& g) {
+  struct Opts {
+    std::vector<std::string> keys;
+    bool json = false;
+  };
+  auto o = std::make_shared<Opts>();
+  CLI::App* sub = idem::tool::subcommand(app, g, "inspect",
+                                         "Show keys' records: state, fence, owner, lease left on the store clock, "
+                                         "attempts, result size, expiry. Exit 1 if a key is not found.");
+  sub->add_option("keys", o->keys, "idempotency keys (without the Redis prefix)")->required();
+  sub->add_flag("--json", o->json, "one JSON object per line");
+  sub->callback([&g, o] {
+    idem::tool::guarded(g, [&] {
+      auto store = idem::tool::open(g);
+      int rc = idem::tool::exit_ok;
+      bool first = true;
+      for (const auto& key : o->keys) {
+        auto r = store->inspect(key);
+        if (!r) {
+          std::cerr << "idem: key '" << idem::tool::printable(key) << "' not found on " << store->where()
+                    << " (never seen, or expired)\n";
+          rc = idem::tool::exit_refused;
+          continue;
+        }
+        if (o->json) {
+          std::cout << idem::tool::record_json(*r) << "\n";
+        } else {
+          if (!first) std::cout << "\n";
+          std::cout << idem::tool::record_text(*r);
+        }
+        first = false;
+      }
+      return rc;
+    });
+  });
+}

@@ -1,0 +1,41 @@
+// idem stats: counts by state, stuck leases, records and bytes.
+
+#include <iostream>
+
+#include "common.hpp"
+
+void register_stats(CLI::App& app, idem::tool::Globals& g) {
+  auto json = std::make_shared<bool>(false);
+  CLI::App* sub = idem::tool::subcommand(app, g, "stats",
+                                         "Counts by state, lapsed in_progress leases (stuck) and the most overdue, "
+                                         "records and bytes. Redis: one SCAN pass; PostgreSQL: one aggregate query.");
+  sub->add_flag("--json", *json, "one JSON object");
+  sub->callback([&g, json] {
+    idem::tool::guarded(g, [&] {
+      auto store = idem::tool::open(g);
+      const idem::AdminStats s = store->stats();
+      const auto st = [&](idem::State x) { return s.by_state[static_cast<std::size_t>(x)]; };
+      if (*json) {
+        std::cout << "{\"records\":" << s.records << ",\"in_progress\":" << st(idem::State::in_progress)
+                  << ",\"completed\":" << st(idem::State::completed) << ",\"failed\":" << st(idem::State::failed)
+                  << ",\"lapsed\":" << s.lapsed << ",\"most_overdue_ms\":"
+                  << (s.most_overdue_ms ? std::to_string(*s.most_overdue_ms) : "null") << ",\"bytes\":" << s.bytes
+                  << ",\"expired_rows\":" << s.expired_rows << "}\n";
+        return idem::tool::exit_ok;
+      }
+      std::cout << "store        " << store->where() << "\n"
+                << "records      " << s.records << "\n"
+                << "in_progress  " << st(idem::State::in_progress) << " (" << s.lapsed << " with a lapsed lease)\n"
+                << "completed    " << st(idem::State::completed) << "\n"
+                << "failed       " << st(idem::State::failed) << "\n"
+                << "oldest lease "
+                << (s.most_overdue_ms ? (*s.most_overdue_ms >= 0 ? "lapsed " + idem::tool::format_duration(*s.most_overdue_ms) + " ago"
+                                                                 : "live, " + idem::tool::format_duration(-*s.most_overdue_ms) + " left")
+                                      : std::string("-"))
+                << "\n"
+                << "bytes        " << s.bytes << "\n";
+      if (!store->is_redis()) std::cout << "expired rows " << s.expired_rows << " (waiting for idem purge)\n";
+      return idem::tool::exit_ok;
+    });
+  });
+}

@@ -1,0 +1,259 @@
+// The tool's shared parts (common.hpp).
+
+#include "common.hpp"
+
+#include <cctype>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include <unistd.h>
+
+#include "idem/core/error.hpp"
+#include "idem/postgres/admin.hpp"
+#include "idem/redis/admin.hpp"
+
+namespace idem::tool {
+
+namespace {
+
+class RedisBackend final : public Backend {
+public:
+  explicit RedisBackend(RedisOptions o) : admin_(std::move(o)) {}
+  std::string where() const override { return "redis " + admin_.address(); }
+  bool is_redis() const override { return true; }
+  std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
+  std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
+    return admin_.list(f, each);
+  }
+  ReleaseResult release(std::string_view key, std::uint64_t fence, bool force) override {
+    return admin_.release(key, fence, force);
+  }
+  std::optional<std::size_t> purge(std::size_t, const std::function<void(std::size_t, std::size_t)>&) override {
+    return std::nullopt;
+  }
+  AdminStats stats() override { return admin_.stats(); }
+  std::vector<Finding> doctor() override { return admin_.doctor(); }
+
+private:
+  RedisAdmin admin_;
+};
+
+class PostgresBackend final : public Backend {
+public:
+  PostgresBackend(PostgresOptions o, PostgresStoreOptions s) : admin_(std::move(o), std::move(s)) {}
+  std::string where() const override { return "postgresql " + admin_.table(); }
+  bool is_redis() const override { return false; }
+  std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
+  std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
+    return admin_.list(f, each);
+  }
+  ReleaseResult release(std::string_view key, std::uint64_t fence, bool force) override {
+    return admin_.release(key, fence, force);
+  }
+  std::optional<std::size_t> purge(std::size_t batch, const std::function<void(std::size_t, std::size_t)>& p) override {
+    return admin_.purge(batch, p);
+  }
+  AdminStats stats() override { return admin_.stats(); }
+  std::vector<Finding> doctor() override { return admin_.doctor(); }
+
+private:
+  PostgresAdmin admin_;
+};
+
+bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
+
+}  // namespace
+
+std::unique_ptr<Backend> open(const Globals& g) {
+  if (g.url.empty())
+    throw invalid_options_error("idem: no store given: pass --url (redis://, redis-cluster://, postgresql://) or set IDEM_URL");
+  if (starts_with(g.url, "redis://") || starts_with(g.url, "redis-cluster://") || starts_with(g.url, "unix://")) {
+    RedisOptions o;
+    o.url = g.url;
+    o.key_prefix = g.prefix;
+    o.connect_timeout = millis{3000};
+    o.command_timeout = millis{30000};
+    return std::make_unique<RedisBackend>(std::move(o));
+  }
+  if (starts_with(g.url, "postgresql://") || starts_with(g.url, "postgres://")) {
+    PostgresOptions o;
+    o.conninfo = g.url;
+    PostgresStoreOptions s;
+    s.schema = g.schema;
+    s.table = g.table;
+    return std::make_unique<PostgresBackend>(std::move(o), std::move(s));
+  }
+  const auto colon = g.url.find("://");
+  throw invalid_options_error("idem: unsupported store URL '" + (colon == std::string::npos ? g.url : g.url.substr(0, colon + 3)) +
+                              "...': use redis://, redis-cluster:// or postgresql://");
+}
+
+CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help) {
+  CLI::App* sub = app.add_subcommand(name, help);
+  sub->add_option("--url,-u", g.url, "the store: redis://[user:pass@]host:port[/db], redis-cluster://host:port[,...], "
+                                     "postgresql://user@host/db")
+      ->envname("IDEM_URL");
+  sub->add_option("--prefix", g.prefix, "Redis key prefix (RedisOptions::key_prefix)")->capture_default_str();
+  sub->add_option("--schema", g.schema, "PostgreSQL schema (PostgresStoreOptions::schema)")->capture_default_str();
+  sub->add_option("--table", g.table, "PostgreSQL table (PostgresStoreOptions::table)")->capture_default_str();
+  return sub;
+}
+
+void guarded(Globals& g, const std::function<int()>& body) {
+  try {
+    g.exit_code = body();
+  } catch (const usage_error& e) {
+    std::cerr << "idem: " << (starts_with(e.what(), "idem: ") ? e.what() + 6 : e.what()) << "\n";
+    g.exit_code = exit_usage;
+  } catch (const CLI::Error& e) {
+    std::cerr << "idem: " << e.what() << "\n";
+    g.exit_code = exit_usage;
+  } catch (const std::exception& e) {
+    std::cerr << "idem: " << (starts_with(e.what(), "idem: ") ? e.what() + 6 : e.what()) << "\n";
+    g.exit_code = exit_store;
+  }
+}
+
+bool stdin_is_tty() { return ::isatty(0) == 1; }
+bool stderr_is_tty() { return ::isatty(2) == 1; }
+
+millis parse_duration(const std::string& text) {
+  std::int64_t total = 0;
+  std::size_t i = 0;
+  if (text.empty()) throw CLI::ValidationError("duration", "empty duration");
+  while (i < text.size()) {
+    std::size_t j = i;
+    while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+    if (j == i) throw CLI::ValidationError("duration", "'" + text + "' is not a duration like 90s, 5m, 1h30m, 2d");
+    const std::int64_t n = std::stoll(text.substr(i, j - i));
+    std::size_t k = j;
+    while (k < text.size() && std::isalpha(static_cast<unsigned char>(text[k]))) ++k;
+    const std::string unit = text.substr(j, k - j);
+    std::int64_t ms;
+    if (unit == "ms") ms = 1;
+    else if (unit == "s" || unit.empty()) ms = 1000;
+    else if (unit == "m") ms = 60'000;
+    else if (unit == "h") ms = 3'600'000;
+    else if (unit == "d") ms = 86'400'000;
+    else throw CLI::ValidationError("duration", "unknown unit '" + unit + "' in '" + text + "' (ms, s, m, h, d)");
+    total += n * ms;
+    i = k;
+  }
+  return millis{total};
+}
+
+std::string format_duration(std::int64_t ms) {
+  if (ms < 0) return "-" + format_duration(-ms);
+  if (ms < 1000) return std::to_string(ms) + "ms";
+  std::int64_t s = ms / 1000;
+  const std::int64_t d = s / 86400, h = s % 86400 / 3600, m = s % 3600 / 60;
+  s %= 60;
+  std::string out;
+  if (d) out += std::to_string(d) + "d";
+  if (h) out += std::to_string(h) + "h";
+  if (m && !d) out += std::to_string(m) + "m";
+  if ((s || out.empty()) && !d && !h) out += std::to_string(s) + "s";
+  return out;
+}
+
+std::string printable(std::string_view s) {
+  std::string out;
+  for (unsigned char c : s) {
+    if (c >= 0x20 && c < 0x7f && c != '\\') {
+      out += static_cast<char>(c);
+    } else {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    }
+  }
+  return out;
+}
+
+std::string json_string(std::string_view s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20 || c >= 0x7f) {
+          // Keys are bytes, not UTF-8: every non-ASCII byte is escaped, so the output is always valid JSON.
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+std::string lease_text(const AdminRecord& r) {
+  const auto o = overdue_ms(r);
+  if (r.record.state == State::in_progress)
+    return o >= 0 ? "lapsed " + format_duration(o) + " ago (stuck unless redelivered)" : "live, " + format_duration(-o) + " left";
+  if (r.record.state == State::failed) {
+    if (r.record.permanent) return "permanent failure (no retry)";
+    return o >= 0 ? "retryable since " + format_duration(o) : "backing off, retry in " + format_duration(-o);
+  }
+  return "-";
+}
+
+namespace {
+std::string hex(std::string_view s) {
+  std::string out;
+  char buf[3];
+  for (unsigned char c : s) {
+    std::snprintf(buf, sizeof buf, "%02x", c);
+    out += buf;
+  }
+  return out;
+}
+}  // namespace
+
+std::string record_text(const AdminRecord& r) {
+  std::ostringstream out;
+  const auto& rec = r.record;
+  out << "key          " << printable(r.key) << "\n"
+      << "state        " << to_string(rec.state) << "\n"
+      << "fence        " << rec.holder.fence << "\n"
+      << "attempts     " << rec.attempts << "\n";
+  if (rec.state == State::in_progress) out << "owner        " << (rec.owner.empty() ? "-" : printable(rec.owner)) << "\n";
+  if (rec.state != State::completed) out << "lease        " << lease_text(r) << " (store clock)\n";
+  if (rec.state == State::completed)
+    out << "result       " << (rec.permanent ? "not stored: " + printable(rec.error) : std::to_string(rec.result.size()) + " bytes")
+        << "\n";
+  if (rec.state == State::failed) out << "error        " << printable(rec.error.substr(0, 200)) << "\n";
+  out << "fingerprint  " << (rec.fingerprint.empty() ? "-" : hex(rec.fingerprint.substr(0, 16))) << "\n"
+      << "expires in   " << (r.expires_in_ms < 0 ? std::string("never") : format_duration(r.expires_in_ms)) << "\n"
+      << "stored       " << r.bytes << " bytes\n";
+  return out.str();
+}
+
+std::string record_json(const AdminRecord& r) {
+  const auto& rec = r.record;
+  std::ostringstream out;
+  out << "{\"key\":" << json_string(r.key) << ",\"state\":\"" << to_string(rec.state) << "\",\"fence\":" << rec.holder.fence
+      << ",\"attempts\":" << rec.attempts << ",\"owner\":" << json_string(rec.owner)
+      << ",\"lease_until_ms\":" << rec.lease_until_ms << ",\"retry_at_ms\":" << rec.retry_at_ms
+      << ",\"now_ms\":" << r.now_ms << ",\"overdue_ms\":" << overdue_ms(r)
+      << ",\"permanent\":" << (rec.permanent ? "true" : "false") << ",\"result_bytes\":" << rec.result.size()
+      << ",\"error\":" << json_string(rec.error.substr(0, 1000)) << ",\"expires_in_ms\":" << r.expires_in_ms
+      << ",\"bytes\":" << r.bytes << "}";
+  return out.str();
+}
+
+std::optional<State> parse_state(const std::string& s) {
+  if (s == "in_progress") return State::in_progress;
+  if (s == "completed") return State::completed;
+  if (s == "failed") return State::failed;
+  return std::nullopt;
+}
+
+}  // namespace idem::tool

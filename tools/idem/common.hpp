@@ -1,0 +1,77 @@
+#pragma once
+// What every subcommand of the `idem` tool shares: the global options, the store behind a URL,
+// exit codes and the formatting of records, durations and JSON.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "idem/core/admin.hpp"
+
+namespace idem::tool {
+
+// Exit codes, documented in docs/operations.md: scripts branch on them.
+inline constexpr int exit_ok = 0;
+inline constexpr int exit_refused = 1;  // not found, refused release, error finding
+inline constexpr int exit_usage = 2;    // bad arguments or URL
+inline constexpr int exit_store = 3;    // store unreachable, permission denied, unexpected store error
+
+// Options before or after the subcommand name.
+struct Globals {
+  std::string url;
+  std::string prefix = "idem:";
+  std::string schema = "idem";
+  std::string table = "idem_records";
+  int exit_code = exit_ok;
+};
+
+// One admin API behind the URL's scheme.
+class Backend {
+public:
+  virtual ~Backend() = default;
+  [[nodiscard]] virtual std::string where() const = 0;
+  [[nodiscard]] virtual bool is_redis() const = 0;
+  virtual std::optional<AdminRecord> inspect(std::string_view key) = 0;
+  virtual std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) = 0;
+  virtual ReleaseResult release(std::string_view key, std::uint64_t fence, bool force) = 0;
+  // nullopt: the store expires records itself.
+  virtual std::optional<std::size_t> purge(std::size_t batch, const std::function<void(std::size_t, std::size_t)>& p) = 0;
+  virtual AdminStats stats() = 0;
+  virtual std::vector<Finding> doctor() = 0;
+};
+
+// The backend for g.url (invalid_options_error for an unknown scheme or a missing URL).
+std::unique_ptr<Backend> open(const Globals& g);
+
+// Adds the subcommand with the shared options attached, so they may follow its name.
+CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help);
+
+// Runs `body` and turns idem's exceptions into a message on stderr and an exit code.
+void guarded(Globals& g, const std::function<int()>& body);
+
+bool stdin_is_tty();
+bool stderr_is_tty();
+
+// "5m", "90s", "1h30m", "2d", "250ms" -> milliseconds; throws CLI::ValidationError.
+millis parse_duration(const std::string& text);
+// 272000 -> "4m32s"; negative values keep their sign.
+std::string format_duration(std::int64_t ms);
+// A key as text: printable ASCII as is, other bytes as \xNN.
+std::string printable(std::string_view s);
+std::string json_string(std::string_view s);
+
+// One record as text lines (inspect) or one JSON object (inspect --json, list --json).
+std::string record_text(const AdminRecord& r);
+std::string record_json(const AdminRecord& r);
+// "lapsed 4m ago" / "live, 25s left" for an in_progress lease (or a failed backoff).
+std::string lease_text(const AdminRecord& r);
+
+std::optional<State> parse_state(const std::string& s);
+
+}  // namespace idem::tool

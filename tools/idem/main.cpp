@@ -1,0 +1,31 @@
+// `idem`: the operator's command for idem stores (docs/operations.md). Subcommands come from
+// commands.inc; each parses its own options and sets the exit code.
+
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "common.hpp"
+#include "idem/core/version.hpp"
+
+#define IDEM_COMMAND(name) void register_##name(CLI::App&, idem::tool::Globals&);
+#include "commands.inc"
+#undef IDEM_COMMAND
+
+int main(int argc, char** argv) {
+  idem::tool::Globals g;
+  CLI::App app{"idem: inspect, free and check the stores of idem (exactly-once effects over at-least-once delivery)"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("idem ") + idem::version_string);
+#define IDEM_COMMAND(name) register_##name(app, g);
+#include "commands.inc"
+#undef IDEM_COMMAND
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : idem::tool::exit_usage;
+  }
+  std::cout.flush();
+  return g.exit_code;
+}
