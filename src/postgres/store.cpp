@@ -119,9 +119,16 @@ Params& Params::text(std::string v) {
   return *this;
 }
 
+// PQfname is null for a column the result does not have: a row narrower than our statement's is
+// corrupt_record_error too, never a null std::string.
+std::string column_name(const PGresult* r, int col) {
+  const char* n = PQfname(r, col);
+  return n ? std::string(n) : "#" + std::to_string(col) + " (missing)";
+}
+
 std::int64_t be_int(const PGresult* r, int row, int col, int bytes) {
   if (PQgetisnull(r, row, col) || PQgetlength(r, row, col) != bytes)
-    throw corrupt_record_error("idem: postgres returned an unreadable value in column " + std::string(PQfname(r, col)));
+    throw corrupt_record_error("idem: postgres returned an unreadable value in column " + column_name(r, col));
   const auto* p = reinterpret_cast<const unsigned char*>(PQgetvalue(r, row, col));
   std::uint64_t v = 0;
   for (int i = 0; i < bytes; ++i) v = (v << 8) | p[i];
@@ -131,7 +138,7 @@ std::int64_t be_int(const PGresult* r, int row, int col, int bytes) {
 
 std::string bytes_of(const PGresult* r, int row, int col) {
   if (PQgetisnull(r, row, col))
-    throw corrupt_record_error("idem: postgres returned NULL in column " + std::string(PQfname(r, col)));
+    throw corrupt_record_error("idem: postgres returned NULL in column " + column_name(r, col));
   return std::string(PQgetvalue(r, row, col), static_cast<std::size_t>(PQgetlength(r, row, col)));
 }
 
@@ -213,6 +220,34 @@ AcquireResult StoreImpl::lock_busy(const AcquireParams& ap) {
   return a;
 }
 
+std::optional<Record> decode_inspect(const PGresult* res, std::string_view key) {
+  if (PQntuples(res) == 0) return std::nullopt;
+  if (PQnfields(res) != 11)
+    throw corrupt_record_error("idem: postgres inspect of key '" + std::string(key.substr(0, 64)) +
+                               "' returned " + std::to_string(PQnfields(res)) + " columns, not 11");
+  Record rec;
+  const auto st = be_int(res, 0, 0, 2);
+  if (st < 1 || st > 3)
+    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has state " +
+                               std::to_string(st));
+  rec.state = static_cast<State>(st);
+  rec.holder = {as_u64(be_int(res, 0, 1, 8)), as_u64(be_int(res, 0, 2, 8))};
+  rec.owner = bytes_of(res, 0, 3);
+  rec.lease_until_ms = be_int(res, 0, 4, 8);
+  rec.retry_at_ms = be_int(res, 0, 5, 8);
+  const auto attempts = be_int(res, 0, 6, 4);
+  if (rec.holder.fence == 0 || attempts < 1 || static_cast<std::int64_t>(rec.holder.fence) < 0)
+    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has fence " +
+                               std::to_string(static_cast<std::int64_t>(rec.holder.fence)) + " and attempts " +
+                               std::to_string(attempts));
+  rec.attempts = static_cast<std::uint32_t>(attempts);
+  rec.permanent = bool_of(res, 0, 7);
+  rec.fingerprint = bytes_of(res, 0, 8);
+  rec.result = bytes_of(res, 0, 9);
+  rec.error = bytes_of(res, 0, 10);
+  return rec;
+}
+
 }  // namespace detail
 
 using detail::Params;
@@ -284,30 +319,7 @@ std::optional<Record> PostgresStore::inspect(std::string_view key) {
   Params p;
   p.bin(key);
   PostgresResult r = impl_->run(detail::kInspect, detail::kInspect, p, "inspect", false);
-  if (r.rows() == 0) return std::nullopt;
-  const PGresult* res = ResultAccess::native(r);
-  using detail::be_int;
-  Record rec;
-  const auto st = be_int(res, 0, 0, 2);
-  if (st < 1 || st > 3)
-    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has state " +
-                               std::to_string(st));
-  rec.state = static_cast<State>(st);
-  rec.holder = {detail::as_u64(be_int(res, 0, 1, 8)), detail::as_u64(be_int(res, 0, 2, 8))};
-  rec.owner = detail::bytes_of(res, 0, 3);
-  rec.lease_until_ms = be_int(res, 0, 4, 8);
-  rec.retry_at_ms = be_int(res, 0, 5, 8);
-  const auto attempts = be_int(res, 0, 6, 4);
-  if (rec.holder.fence == 0 || attempts < 1 || static_cast<std::int64_t>(rec.holder.fence) < 0)
-    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has fence " +
-                               std::to_string(static_cast<std::int64_t>(rec.holder.fence)) + " and attempts " +
-                               std::to_string(attempts));
-  rec.attempts = static_cast<std::uint32_t>(attempts);
-  rec.permanent = detail::bool_of(res, 0, 7);
-  rec.fingerprint = detail::bytes_of(res, 0, 8);
-  rec.result = detail::bytes_of(res, 0, 9);
-  rec.error = detail::bytes_of(res, 0, 10);
-  return rec;
+  return detail::decode_inspect(ResultAccess::native(r), key);
 }
 
 std::size_t PostgresStore::purge_expired(std::size_t batch, std::size_t max_batches) {

@@ -73,6 +73,8 @@ AcquireResult decode_acquire(const PGresult* r, std::uint64_t token);
 AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token);
 // The decision in columns col..col+5 of `row` (status, fence, takeover, attempts, retry_after, payload).
 AcquireResult decode_acquire_row(const PGresult* r, int row, int col, std::uint64_t token);
+// The record of kInspect's row (no row: absent); corrupt_record_error on any other shape or value.
+std::optional<Record> decode_inspect(const PGresult* r, std::string_view key);
 
 // Binary-format one-dimensional arrays, the parameters of acquire_many's statement.
 std::string bytea_array(const std::vector<std::string_view>& v);

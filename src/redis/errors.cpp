@@ -1,6 +1,7 @@
 // Error mapping (client.hpp): Redis error replies and socket failures to idem's typed errors, each
 // with the advice that fits it.
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -27,7 +28,9 @@ void throw_reply_error(std::string_view text, std::string_view what, const Reply
   const std::string code(error_code(text));
   const std::string msg = "idem: Redis refused " + std::string(what) + ": " + std::string(text);
   if (code == "IDEMCORRUPT")
-    throw corrupt_record_error("idem: " + std::string(what) + ": " + std::string(text.substr(code.size() + 1)) +
+    // min: a bare "IDEMCORRUPT" (no text after the code) is still a corrupt record, not std::out_of_range.
+    throw corrupt_record_error("idem: " + std::string(what) + ": " +
+                               std::string(text.substr(std::min(text.size(), code.size() + 1))) +
                                std::string(hints.corrupt));
   if (hints.usage_code && code == "IDEMUSAGE") throw usage_error(msg);
   if (code == "OOM") throw capacity_error(msg + std::string(hints.oom), code, true);

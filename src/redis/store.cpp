@@ -396,7 +396,8 @@ std::vector<WriteStatus> RedisStore::BatchWriter::finish() {
   std::vector<WriteStatus> out;
   out.reserve(replies.size());
   for (std::size_t i = 0; i < replies.size(); ++i) {
-    const auto& [key, step] = impl_->made[i];
+    const std::string& key = impl_->made[i].first;
+    const char* step = impl_->made[i].second;
     throw_if_error(replies[i].get(), store_hints, [&] { return std::string(step) + " of key '" + printable(key) + "'"; });
     out.push_back(parse_write(replies[i].get(), step, key));
   }

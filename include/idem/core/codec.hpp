@@ -2,6 +2,8 @@
 /// @file codec.hpp How handler results are stored and replayed: the idem::codec<T> customisation point.
 
 #include <charconv>
+#include <cmath>
+#include <cstdlib>
 #include <concepts>
 #include <string>
 #include <string_view>
@@ -64,11 +66,39 @@ struct codec<T> {
   }
   /// Parses the whole text or throws codec_error.
   static T decode(std::string_view s) {
+    if constexpr (std::is_same_v<T, long double>) {
+      // libstdc++'s from_chars(long double) reads its input up to a NUL, past the end it is given.
+      const std::string text(s);
+      return parse(text);
+    } else {
+      return parse(s);
+    }
+  }
+
+private:
+  static T parse(std::string_view s) {
     T v{};
     auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+    if constexpr (std::is_floating_point_v<T>) {
+      // libstdc++'s from_chars(long double) calls a subnormal out of range, yet to_chars writes
+      // one: read it back as strto* does, or the handler's own result would be corrupt forever.
+      if (ec == std::errc::result_out_of_range && end == s.data() + s.size() && subnormal(s, v)) return v;
+    }
     if (ec != std::errc{} || end != s.data() + s.size() || s.empty())
       throw codec_error("idem: stored value is not a valid " + std::string(typeid(T).name()));
     return v;
+  }
+
+  static bool subnormal(std::string_view s, T& out) {
+    const std::string text(s);  // strto* reads up to a terminator
+    char* end = nullptr;
+    T v{};
+    if constexpr (std::is_same_v<T, float>) v = std::strtof(text.c_str(), &end);
+    else if constexpr (std::is_same_v<T, double>) v = std::strtod(text.c_str(), &end);
+    else v = std::strtold(text.c_str(), &end);
+    if (end != text.c_str() + text.size() || std::fpclassify(v) != FP_SUBNORMAL) return false;
+    out = v;
+    return true;
   }
 };
 

@@ -176,6 +176,8 @@ public:
 
   /// Decides each request as acquire() does, in request order (BatchStore).
   std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests) {
+    // A bad request refuses the batch before any key is taken, as the other stores do.
+    for (const AcquireRequest& r : requests) detail::check_acquire(r.key, r.params);
     std::vector<AcquireResult> out;
     out.reserve(requests.size());
     for (const AcquireRequest& r : requests) out.push_back(acquire(r.key, r.params));

@@ -196,8 +196,10 @@ local function complete_key(key, fence, token, result, ret, unavailable)
   local n, g = #s, tonumber(fence)
   local h, g1 = string.byte(s, 1, 2)
   -- The header bits, by arithmetic (cheaper here than bit.band calls): v1 (h >= 128), state 1
-  -- (h % 4), no payload (32 clear), and not the 8-byte generation (8 and 64 both set).
-  if not unavailable and n >= 20 and h >= 128 and h % 4 == 1 and h % 64 < 32 and (h % 16 < 8 or h < 192) then
+  -- (h % 4), no permanent bit (4 clear: encode never sets it on in_progress, and decode + encode
+  -- would clear it where this path would carry it into "completed without its result"), no
+  -- payload (32 clear), and not the 8-byte generation (8 and 64 both set).
+  if not unavailable and n >= 20 and h >= 128 and h % 4 == 1 and h % 8 < 4 and h % 64 < 32 and (h % 16 < 8 or h < 192) then
     local gen, p
     if h % 16 < 8 and h < 192 then -- 1-byte generation
       gen, p = g1, 3
