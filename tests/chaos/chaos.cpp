@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abcd] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcdf] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -19,11 +19,15 @@
 //       IdempotencyGuard::run_batch (one acquisition round trip, each completion sent as its handler
 //       returns), with the heartbeat on (a read's last entry waits for the handlers before it);
 //   (e) as (c), through run_batch as (d): not in the default set (--setups e), it reports what
-//       batches do to the double effects of a non-idempotent effect.
-// Exit status 1 when (a), (b) or (d) has a double effect, a lost message or a wrong balance, when
+//       batches do to the double effects of a non-idempotent effect;
+//   (f) as (b), on AsyncRedisStore's blocking calls: each consumer's records go through one
+//       multiplexed, pipelined connection (an io thread per consumer), killed and restarted alike.
+// Exit status 1 when (a), (b), (d) or (f) has a double effect, a lost message or a wrong balance, when
 // any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
+
+#include <utility>
 
 #include <algorithm>
 #include <atomic>
@@ -54,6 +58,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "idem/asio/redis_store.hpp"
+#include <boost/asio/io_context.hpp>
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
 #include "idem/redis.hpp"
@@ -317,6 +323,20 @@ int worker_main(int argc, char** argv) {
   std::optional<idem::IdempotencyGuard<idem::PostgresStore>> pguard;
   std::optional<idem::RedisStore> rs;
   std::optional<idem::IdempotencyGuard<idem::RedisStore>> rguard;
+  // (f): the multiplexed store and the io thread its connection runs on.
+  boost::asio::io_context io{1};
+  auto io_work = boost::asio::make_work_guard(io);
+  std::thread io_thread([&] { io.run(); });
+  struct JoinIo {
+    boost::asio::io_context& io;
+    std::thread& t;
+    ~JoinIo() {
+      io.stop();
+      t.join();
+    }
+  } join_io{io, io_thread};
+  std::optional<idem::AsyncRedisStore> as;
+  std::optional<idem::IdempotencyGuard<idem::AsyncRedisStore>> aguard;
   Pg biz(conninfo);
 
   auto redis_guard = [&]() -> idem::IdempotencyGuard<idem::RedisStore>& {
@@ -333,11 +353,25 @@ int worker_main(int argc, char** argv) {
     }
     return *rguard;
   };
+  auto async_guard = [&]() -> idem::IdempotencyGuard<idem::AsyncRedisStore>& {
+    if (!as) {
+      idem::RedisOptions ro;
+      ro.port = port;
+      ro.key_prefix = "idem:" + T + ":";
+      ro.connect_timeout = idem::millis{1000};
+      ro.command_timeout = idem::millis{2000};
+      as.emplace(io.get_executor(), std::move(ro));
+      aguard.emplace(*as, go);
+    }
+    return *aguard;
+  };
   auto reset_store = [&] {  // a store that could not even be built: build it again
     pguard.reset();
     pgs.reset();
     rguard.reset();
     rs.reset();
+    aguard.reset();
+    as.reset();
   };
 
   // (b) and (d): the business transaction records the event id (ON CONFLICT DO NOTHING) and skips
@@ -376,6 +410,12 @@ int worker_main(int argc, char** argv) {
         ctx.tx->exec("UPDATE a_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount, e.account);
         ctx.tx->exec("INSERT INTO a_effects(event_id) VALUES ($1)", e.event);
       });
+      return out.status;
+    }
+    if (setup == 'f') {
+      bool skipped = false;
+      auto out = async_guard().run(e.event, payload, [&] { skipped = !apply_once(e); });
+      if (skipped) stats.note('K');
       return out.status;
     }
     if (setup == 'b') {
@@ -616,7 +656,7 @@ public:
       pg.exec("CREATE TABLE " + T + "_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
       pg.exec("INSERT INTO " + T + "_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
       pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
-      if (setup == 'b' || setup == 'd') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
+      if (setup == 'b' || setup == 'd' || setup == 'f') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
       if (setup == 'a') {
         idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
         s.migrate();
@@ -791,13 +831,15 @@ public:
                            "RedisStore + plain autocommit UPDATE",
                            "RedisStore + run_batch per read + PostgreSQL transaction with applied_events ON "
                            "CONFLICT DO NOTHING",
-                           "RedisStore + run_batch per read + plain autocommit UPDATE"};
+                           "RedisStore + run_batch per read + plain autocommit UPDATE",
+                           "AsyncRedisStore (one multiplexed connection per consumer) + PostgreSQL transaction "
+                           "with applied_events ON CONFLICT DO NOTHING"};
     std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
                 names[setup - 'a' + 1], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
     std::printf("(%c) deliveries: %lld\n", setup, c['D']);
     // A consumer killed right after its commit cannot count its run: the effects log is the truth.
     const std::string skipped =
-        setup == 'b' || setup == 'd' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
+        setup == 'b' || setup == 'd' || setup == 'f' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
     std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
                 effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
@@ -850,7 +892,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abcd";
+  std::string setups = "abcdf";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -859,7 +901,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcd] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdf] [--seed S]\n");
       return 2;
     }
   }
@@ -923,7 +965,7 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'e' || g_stop) continue;
+    if (s < 'a' || s > 'f' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
     const Result r = d.run(s, events, seed, bound);
     if (!r.ok) {

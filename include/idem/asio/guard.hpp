@@ -105,6 +105,7 @@ boost::asio::awaitable<void> keep_lease(Store& s, std::string key, Holder h, mil
         co_return;
       }
       last_ok = std::chrono::steady_clock::now();
+      if (observer) observer->on_lease_extended(key, h.fence);
     } catch (const std::exception&) {
       if (std::chrono::steady_clock::now() - last_ok >= lease) {
         if (!hb->done && observer) observer->on_lease_lost(key, h.fence);
