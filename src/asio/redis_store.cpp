@@ -67,6 +67,8 @@ struct Op {
   bool internal = false;      // the connection's own (handshake, script reload): never a caller's
   bool handshake = false;     // AUTH/SELECT/SCRIPT LOAD of a new connection: an error reply fails it
   bool reloaded = false;      // sent again after NOSCRIPT once already
+  bool waits = false;         // a WAIT follows the script in `bytes` (min_replica_acks): two replies
+  ReplyPtr script_reply;      // with `waits`, the script's reply while the WAIT's is awaited
   bool resent = false;        // this is the second sending
   IoFailure first;            // why the first sending was lost
   Clock::time_point deadline; // command_timeout from the write
@@ -305,8 +307,23 @@ private:
       if (raw == nullptr) break;
       ReplyPtr reply(static_cast<redisReply*>(raw));
       if (inflight_.empty()) return broken({"Redis at " + where_ + " sent a reply to no request", false});
+      Op& front = *inflight_.front();
+      if (front.waits && !front.script_reply) {  // the script's reply; its WAIT's comes next
+        front.script_reply = std::move(reply);
+        continue;
+      }
       std::unique_ptr<Op> op = std::move(inflight_.front());
       inflight_.pop_front();
+      if (op->waits) {
+        ReplyPtr wait = std::move(reply);
+        reply = std::move(op->script_reply);
+        if (!is_noscript(reply.get()) && !(op->resent && is_error(reply.get()))) {
+          if (auto e = check_acks(*op, reply.get(), wait.get())) {
+            op->finish(e, nullptr);
+            continue;
+          }
+        }
+      }
       deliver(std::move(op), std::move(reply));
       if (gen != generation_) return;  // the delivery broke the connection (a failed handshake)
     }
@@ -336,6 +353,33 @@ private:
                         nullptr);
     }
     op->finish(nullptr, std::move(reply));
+  }
+
+  // min_replica_acks: a reply that changed a record counts only once enough replicas have it (the
+  // WAIT went in the same write, so it covers this connection's writes up to and including it).
+  std::exception_ptr check_acks(const Op& op, const redisReply* r, const redisReply* wait) const {
+    if (is_error(r) || !wrote(op.script, r)) return nullptr;  // an error, or nothing a failover could lose
+    const std::string effect =
+        op.script == Script::acquire
+            ? "; the handler did not run: redeliver later (the key frees itself after the lease)"
+            : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds "
+              "it (or, if a failover lost it, runs again after the lease)";
+    if (is_error(wait))
+      return capture([&] {
+        throw store_error("idem: Redis refused WAIT after " + op.what + ": " + std::string(reply_text(wait)) +
+                              "; min_replica_acks needs WAIT on a primary (the ACL user needs +wait)" + effect,
+                          std::string(error_code(reply_text(wait))), false);
+      });
+    const long long acks = wait->type == REDIS_REPLY_INTEGER ? wait->integer : -1;
+    if (acks < 0) return capture([&] { throw_bad_reply("WAIT after " + op.what); });
+    if (acks >= opt_.min_replica_acks) return nullptr;
+    return capture([&] {
+      throw durability_error("idem: " + op.what + " was written on the Redis primary at " + where_ + " but " +
+                                 std::to_string(acks) + " of the " + std::to_string(opt_.min_replica_acks) +
+                                 " replica(s) asked for (min_replica_acks) acknowledged it within replica_ack_timeout (" +
+                                 ms(opt_.replica_ack_timeout) + "): a failover now could lose it" + effect,
+                             static_cast<int>(acks), opt_.min_replica_acks);
+    });
   }
 
   // --- timeouts and failures ----------------------------------------------------------------
@@ -374,6 +418,7 @@ private:
       if (op->resent) {
         op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, f.text, ""); }), nullptr);
       } else if (op->same_holder) {
+        op->script_reply.reset();
         op->resent = true;
         op->first = f;
         ++resent_;
@@ -437,7 +482,6 @@ RedisOptions checked(RedisOptions o) {
   };
   if (!o.cluster_nodes.empty()) refuse("Redis Cluster (redis-cluster://, RedisOptions::cluster_nodes)");
   if (!o.sentinels.empty()) refuse("Sentinel (redis-sentinel://, RedisOptions::sentinels)");
-  if (o.min_replica_acks > 0) refuse("min_replica_acks (WAIT after each write)");
   return o;
 }
 
@@ -451,9 +495,14 @@ StoreLimits check_once(const RedisOptions& o) {
 }
 
 template <class T, class Parse>
-std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s, std::string what) {
+std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s, std::string what,
+                            const std::string& wait) {
   auto op = std::make_unique<Call<T, Parse>>(std::move(done), std::move(parse));
   op->bytes.assign(cmd.format().view());
+  if (!wait.empty() && !reads_only(s)) {
+    op->bytes += wait;
+    op->waits = true;
+  }
   op->script = s;
   op->same_holder = s != Script::inspect;
   op->what = std::move(what);
@@ -479,7 +528,10 @@ using detail::redis::Script;
 AsyncRedisStore::AsyncRedisStore(executor_type ex, RedisOptions options)
     : ex_(std::move(ex)), options_(detail::asio_redis::checked(std::move(options))),
       limits_(detail::asio_redis::check_once(options_)),
-      conn_(std::make_shared<Connection>(ex_, options_)) {}
+      conn_(std::make_shared<Connection>(ex_, options_)) {
+  if (options_.min_replica_acks > 0)
+    wait_.assign(Command().arg("WAIT").arg(options_.min_replica_acks).arg(options_.replica_ack_timeout.count()).format().view());
+}
 
 AsyncRedisStore::~AsyncRedisStore() { conn_->shutdown(); }
 
@@ -544,7 +596,7 @@ void AsyncRedisStore::submit_acquire(std::string_view key, const AcquireParams& 
     return request<AcquireResult>(
         std::move(done),
         [k = std::string(key), t = p.token](const redisReply* r) { return detail::redis::parse_acquire(r, k, t); }, cmd,
-        Script::acquire, what_of(Script::acquire, key));
+        Script::acquire, what_of(Script::acquire, key), wait_);
   });
 }
 
@@ -554,7 +606,7 @@ void AsyncRedisStore::submit_complete(std::string_view key, const Holder& h, std
     Command cmd = detail::redis::complete_command(options_, key, h, text, retention, unavailable);
     return request<WriteStatus>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "complete", k); },
-        cmd, Script::complete, what_of(Script::complete, key));
+        cmd, Script::complete, what_of(Script::complete, key), wait_);
   });
 }
 
@@ -563,7 +615,7 @@ void AsyncRedisStore::submit_fail(std::string_view key, const Holder& h, const F
     Command cmd = detail::redis::fail_command(options_, key, h, f);
     return request<WriteStatus>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "fail", k); },
-        cmd, Script::fail, what_of(Script::fail, key));
+        cmd, Script::fail, what_of(Script::fail, key), wait_);
   });
 }
 
@@ -572,7 +624,7 @@ void AsyncRedisStore::submit_extend(std::string_view key, const Holder& h, milli
     Command cmd = detail::redis::extend_command(options_, key, h, lease);
     return request<WriteStatus>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "extend", k); },
-        cmd, Script::extend, what_of(Script::extend, key));
+        cmd, Script::extend, what_of(Script::extend, key), wait_);
   });
 }
 
@@ -581,7 +633,7 @@ void AsyncRedisStore::submit_inspect(std::string_view key, DonePtr<std::optional
     Command cmd = detail::redis::inspect_command(options_, key);
     return request<std::optional<Record>>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_inspect(r, k); }, cmd,
-        Script::inspect, what_of(Script::inspect, key));
+        Script::inspect, what_of(Script::inspect, key), wait_);
   });
 }
 

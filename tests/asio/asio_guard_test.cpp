@@ -13,6 +13,7 @@
 
 #include "asio_factory.hpp"
 #include "idem/memory/memory_store.hpp"
+#include "redis_topology.hpp"
 
 using namespace std::chrono_literals;
 namespace asio = boost::asio;
@@ -218,9 +219,9 @@ TEST_CASE("AsyncRedisStore: bad configuration is refused at construction", "[asi
   IoThread io;
   CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "redis-cluster://127.0.0.1:7000"}),
                   idem::invalid_options_error);
-  idem::RedisOptions acks = AsyncRedisFactory::server().options();
-  acks.min_replica_acks = 1;
-  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), acks), idem::invalid_options_error);
+  idem::RedisOptions sentinel;
+  sentinel.url = "redis-sentinel://127.0.0.1:26379/mymaster";
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), sentinel), idem::invalid_options_error);
   idem::RedisOptions nowhere;
   nowhere.port = idem::test::free_port();
   CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), nowhere), idem::connection_error);
@@ -239,4 +240,29 @@ TEST_CASE("AsyncRedisStore: bad input fails the call, nothing is sent", "[asio]"
   CHECK_THROWS_AS(f.store().complete("k", none, "r", 60s), idem::usage_error);
   CHECK_THROWS_AS(f.store().acquire("", idem::test::acquire_params(1)), idem::invalid_key_error);
   CHECK(f.store().stats().requests == 0);
+}
+
+TEST_CASE("AsyncRedisStore: min_replica_acks waits for the replica in the same write", "[asio]") {
+  idem::test::ProxiedPair pair;
+  IoThread io;
+  idem::RedisOptions o = pair.master().options();
+  o.min_replica_acks = 1;
+  o.replica_ack_timeout = 300ms;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  const std::string ns = "acks-" + random_hex() + ":";
+  auto a = store.acquire(ns + "a", idem::test::acquire_params(1));
+  REQUIRE(a.status == idem::AcquireStatus::acquired);
+  CHECK(store.complete(ns + "a", a.holder, "r", 60s) == idem::WriteStatus::ok);
+  // The replica stops getting writes: a change is reported, not trusted; a duplicate answer
+  // (nothing written) needs no replica.
+  pair.hold_replication();
+  try {
+    (void)store.acquire(ns + "b", idem::test::acquire_params(2));
+    FAIL("an unreplicated claim was reported as taken");
+  } catch (const idem::durability_error& e) {
+    CHECK(e.acks() == 0);
+    CHECK(e.wanted() == 1);
+  }
+  CHECK(pair.replication_held());
+  CHECK(store.acquire(ns + "a", idem::test::acquire_params(3)).status == idem::AcquireStatus::duplicate);
 }

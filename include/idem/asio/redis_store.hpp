@@ -86,8 +86,9 @@ class Connection;
  *
  * The constructor connects once with a blocking RedisClient to check the address, credentials
  * and settings exactly as RedisStore does (an evicting maxmemory-policy is refused), then opens
- * the multiplexed connection on first use. Sentinel, Cluster and min_replica_acks are refused
- * (invalid_options_error): use RedisStore for those.
+ * the multiplexed connection on first use. With min_replica_acks each write carries its WAIT in the
+ * same write, as RedisStore's do (durability_error when too few replicas have it). Sentinel and
+ * Cluster are refused (invalid_options_error): use RedisStore for those.
  *
  * @code
  * boost::asio::io_context io;
@@ -198,6 +199,7 @@ private:
   executor_type ex_;
   RedisOptions options_;
   StoreLimits limits_;
+  std::string wait_;  // `WAIT n timeout`, sent after each write with min_replica_acks; else empty
   std::shared_ptr<detail::asio_redis::Connection> conn_;
 };
 
