@@ -327,7 +327,7 @@ int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
   Admin admin(a.port);
   std::ostringstream js;
-  js << "{\n  \"tool\": \"idem_peers_bench\",\n  \"ops\": " << a.ops << ", \"reps\": " << a.reps << ", \"warmup\": "
+  js << "{\n  \"tool\": \"idem_peers_bench\",\n  \"node\": \"n/a (C++)\",\n  \"ops\": " << a.ops << ", \"reps\": " << a.reps << ", \"warmup\": "
      << a.warmup << ", \"conc\": " << a.conc << ", \"dupKeys\": " << a.dupkeys << ",\n  \"peers\": [";
   bool first_peer = true;
   for (const std::string& mode : a.modes) {
@@ -341,6 +341,9 @@ int main(int argc, char** argv) try {
        << "\"}, \"cases\": {";
     first_peer = false;
     bool first_case = true;
+    // Client commands per call (the harness's "round trips": commands sent by the client, not
+    // those its Lua runs): idem sends only EVALSHA, so it is commandstats' evalsha count per call.
+    std::map<std::string, double> client_cmds;
     for (const std::string& kase : a.cases) {
       (void)one_run(*m, admin, mode, kase, a.warmup, a);
       std::vector<RunResult> runs;
@@ -354,6 +357,8 @@ int main(int argc, char** argv) try {
       const double p50 = med([](const RunResult& r) { return r.p50; });
       const double p99 = med([](const RunResult& r) { return r.p99; });
       const double cpo = med([](const RunResult& r) { return r.cmds_per_op; });
+      if (kase.size() > 4 && kase.substr(kase.size() - 3) == "seq" && runs[0].cmds.count("evalsha"))
+        client_cmds[kase.substr(0, 3)] = runs[0].cmds.at("evalsha");
       std::string each;
       for (const auto& r : runs) each += (each.empty() ? "" : "/") + std::to_string(static_cast<long long>(r.ops_per_sec));
       std::fprintf(stderr, "  %-8s %8.0f ops/s  p50 %.3f ms  p99 %.3f ms  server cmds/op %.2f  runs %s\n", kase.c_str(), ops,
@@ -374,7 +379,14 @@ int main(int argc, char** argv) try {
            << num(runs[i].p50) << ", \"p99\": " << num(runs[i].p99) << ", \"ms\": " << static_cast<long long>(runs[i].ms) << "}";
       js << "]}";
     }
-    js << "\n    }}";
+    js << "\n    }, \"roundTrips\": {";
+    bool first_rt = true;
+    for (const auto& [kind, n] : client_cmds) {
+      js << (first_rt ? "" : ", ") << "\"" << kind << "\": {\"roundTripsPerOp\": " << num(n, 3)
+         << ", \"clientCmds\": {\"EVALSHA\": " << num(n, 3) << "}}";
+      first_rt = false;
+    }
+    js << "}}";
   }
   js << "\n  ]\n}\n";
   admin.command("FLUSHALL");
