@@ -43,7 +43,7 @@ ensure_packages() {
 
 core_packages=(cmake ninja-build g++ pkg-config libssl-dev)
 all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev redis-server redis-tools
-              postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps
+              openssl postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps
               prometheus-cpp-dev libcli11-dev libboost-dev)
 # The model check (tests/proof, docs/proof.md) and the fuzz targets (tests/fuzz, clang's libFuzzer).
 all_packages+=(spin clang libclang-rt-14-dev)

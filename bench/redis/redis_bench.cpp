@@ -41,6 +41,7 @@ struct Args {
   int batch_threads = 2;
   int repeat = 3;
   int acks = 0;  // RedisOptions::min_replica_acks
+  int admin_port = 0;  // the bench's own plain connection, when the store's is TLS
   std::set<std::string> phases{"guard", "takeover", "batch", "run_batch", "gate", "memory"};
   bool print_sha = false;
 };
@@ -61,6 +62,8 @@ constexpr const char* usage =
     "                       master, batches split by slot: one script run per slot, each master's share\n"
     "                       pipelined); the bench's own INFO/CONFIG/MEMORY connections use its user,\n"
     "                       password and db\n"
+    "  --admin-port P       the bench's own INFO/CONFIG/MEMORY connection goes to this plain-text port of\n"
+    "                       the same server (its connection has no TLS): for a rediss:// --url\n"
     "  --messages N         messages per guard phase, 100..1e7 (default 20000; the batch phase runs 10 N)\n"
     "  --batch B            keys per acquire_batch / complete_batch call, 1..10000 (default 100)\n"
     "  --batch-threads T    threads calling the batches, 1..64 (default 2)\n"
@@ -308,6 +311,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--batch-threads") a.batch_threads = std::atoi(next());
     else if (k == "--repeat") a.repeat = std::atoi(next());
     else if (k == "--acks") a.acks = std::atoi(next());
+    else if (k == "--admin-port") a.admin_port = std::atoi(next());
     else if (k == "--phases") {
       a.phases.clear();
       std::stringstream list(next());
@@ -367,7 +371,8 @@ int main(int argc, char** argv) try {
     return 0;
   }
   const auto client = std::make_shared<idem::RedisClient>(o);
-  Admin admin(client->address(), client->options());
+  Admin admin(a.admin_port > 0 ? client->options().host + ":" + std::to_string(a.admin_port) : client->address(),
+              client->options());
   if (a.acks > 0 && admin.online_replicas() < a.acks)  // else every write fails with durability_error
     throw std::runtime_error("bench: --acks " + std::to_string(a.acks) + " but the server has " +
                              std::to_string(admin.online_replicas()) + " replica(s) online");

@@ -482,6 +482,7 @@ RedisOptions checked(RedisOptions o) {
   };
   if (!o.cluster_nodes.empty()) refuse("Redis Cluster (redis-cluster://, RedisOptions::cluster_nodes)");
   if (!o.sentinels.empty()) refuse("Sentinel (redis-sentinel://, RedisOptions::sentinels)");
+  if (o.tls.enabled) refuse("TLS (rediss://, RedisOptions::tls)");
   return o;
 }
 

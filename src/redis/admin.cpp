@@ -180,6 +180,10 @@ struct RedisAdmin::Impl {
     if (!opt.sentinels.empty())
       throw invalid_options_error(
           "idem: the admin tools do not follow Sentinel; point them at the master with redis://host:port");
+    // Their connections are plain hiredis ones: refuse TLS rather than talk in plain text.
+    if (opt.tls.enabled)
+      throw invalid_options_error("idem: the admin tools do not speak TLS yet (rediss://); run them where a plain "
+                                  "port of the server is reachable, or use the library's stores");
     if (!opt.cluster_nodes.empty()) {
       cluster = true;
       discover_cluster();

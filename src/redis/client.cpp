@@ -7,6 +7,7 @@
 #include <array>
 #include <cerrno>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <tuple>
 #include <utility>
@@ -52,6 +53,65 @@ std::size_t write_all(int fd, std::string_view data) noexcept {
   return done;
 }
 
+std::size_t Link::write(std::string_view data) noexcept {
+  return tls ? tls->write(data) : write_all(context->fd, data);
+}
+
+namespace {
+void set_error(redisContext* c, int type, const char* text) noexcept {
+  c->err = type;
+  std::snprintf(c->errstr, sizeof c->errstr, "%s", text);
+}
+}  // namespace
+
+// Over TLS, decrypted bytes are fed to the context's own reader: hiredis parses them as it would
+// what it read from the socket itself.
+ReplyPtr Link::read() noexcept {
+  redisContext* c = context.get();
+  void* reply = nullptr;
+  if (!tls) {
+    if (redisGetReply(c, &reply) != REDIS_OK) return nullptr;
+  } else {
+    for (;;) {
+      if (redisReaderGetReply(c->reader, &reply) != REDIS_OK) {
+        set_error(c, c->reader->err, c->reader->errstr);
+        return nullptr;
+      }
+      if (reply != nullptr) break;
+      char buf[16 * 1024];
+      const long n = tls->read(buf, sizeof buf);
+      if (n == 0) {
+        set_error(c, REDIS_ERR_EOF, "Server closed the connection");
+        return nullptr;
+      }
+      if (n < 0) {
+        const int err = errno;
+        set_error(c, REDIS_ERR_IO, tls->refused() ? tls->failure().c_str() : std::strerror(err));
+        errno = err;
+        return nullptr;
+      }
+      if (redisReaderFeed(c->reader, buf, static_cast<std::size_t>(n)) != REDIS_OK) {
+        set_error(c, c->reader->err, c->reader->errstr);
+        return nullptr;
+      }
+    }
+  }
+  if (reply == nullptr) return nullptr;
+  answered = true;
+  return ReplyPtr(static_cast<redisReply*>(reply));
+}
+
+// A pooled connection the server closed while idle (restart, idle timeout, CLIENT KILL) reads as
+// ready-with-EOF.
+bool Link::idle() noexcept {
+  if (tls) return tls->idle();
+  pollfd p{context->fd, POLLIN, 0};
+  int rc;
+  do rc = ::poll(&p, 1, 0);
+  while (rc < 0 && errno == EINTR);
+  return rc == 0;
+}
+
 namespace {
 
 timeval to_timeval(millis d) {
@@ -80,15 +140,12 @@ Command script_load(Script s) {
 // older pool generation, or any while the master is in doubt (Sentinel mode).
 bool Client::Traits::alive(connection& c) const noexcept {
   if (!client->sentinels_.empty() && (c.epoch != client->epoch_.load() || client->rediscover_.load())) return false;
-  pollfd p{c.context->fd, POLLIN, 0};
-  int rc;
-  do rc = ::poll(&p, 1, 0);
-  while (rc < 0 && errno == EINTR);
-  return rc == 0;
+  return c.link.idle();
 }
 
 Client::Client(RedisOptions o)
     : opt_(resolve_options(std::move(o))),
+      tls_(opt_.tls.enabled ? std::make_unique<const Tls>(opt_.tls) : nullptr),
       sentinels_(sentinel_endpoints(opt_)),
       rediscover_(!sentinels_.empty()),
       pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
@@ -105,7 +162,7 @@ Client::Client(RedisOptions o)
   // One connection now, so a wrong address or password fails here and not mid-message; every
   // script is loaded on it in one round trip (a NOSCRIPT later reloads the one it names). With
   // min_replica_acks, ROLE says how many replicas the primary has now: fewer is worth a warning.
-  const int replicas = with_connection([&](redisContext* c) {
+  const int replicas = with_connection([&](Link& c) {
     Pipeline loads;
     for (std::size_t i = 0; i < script_count; ++i) loads.add(script_load(static_cast<Script>(i)).format());
     if (opt_.min_replica_acks > 0) loads.add(Command().arg("ROLE").format());
@@ -142,9 +199,11 @@ Command Client::evalsha(Script s, std::size_t numkeys) {
   return cmd;
 }
 
-ContextPtr Client::open(const Endpoint& to, const char* role) const { return open_connection(to, opt_, role); }
+Link Client::open(const Endpoint& to, const char* role, const Tls* tls) const {
+  return open_connection(to, opt_, role, tls);
+}
 
-ContextPtr open_connection(const Endpoint& to, const RedisOptions& opt_, const char* role) {
+Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* role, const Tls* tls) {
   const timeval ctv = to_timeval(opt_.connect_timeout);
   redisContext* raw = to.port == 0 ? redisConnectUnixWithTimeout(to.host.c_str(), ctv)
                                    : redisConnectWithTimeout(to.host.c_str(), to.port, ctv);
@@ -158,7 +217,9 @@ ContextPtr open_connection(const Endpoint& to, const RedisOptions& opt_, const c
   if (redisSetTimeout(c.get(), to_timeval(opt_.command_timeout)) != REDIS_OK)
     throw connection_error("idem: cannot set the command timeout on a Redis socket: " + std::string(c->errstr), "",
                            true);
-  return c;
+  Link link{std::move(c), nullptr};
+  if (tls != nullptr) link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout);
+  return link;
 }
 
 // Sends the handshake (AUTH, SELECT, and ROLE in Sentinel mode) in one write and checks each answer.
@@ -170,19 +231,19 @@ Client::Connection Client::connect() const {
   else
     to = opt_.unix_socket.empty() ? Endpoint{opt_.host, opt_.port} : Endpoint{opt_.unix_socket, 0};
   const char* role = sentinels_.empty() ? "Redis" : "the Redis master";
-  ContextPtr c = open(to, role);
+  Link c = open(to, role, tls_.get());
   Pipeline hello;
   add_auth(hello, opt_.user, opt_.password);
   if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
   const bool check_role = !sentinels_.empty();
   if (check_role) hello.add(Command().arg("ROLE").format());
   if (hello.size() == 0) return {std::move(c), epoch};
-  if (write_all(c->fd, hello.all()) != hello.all().size()) throw_io(c.get(), "while authenticating", false);
+  if (c.write(hello.all()) != hello.all().size()) throw_io(c, "while authenticating", false);
   std::string first_error;
   ReplyPtr last;
   for (std::size_t i = 0; i < hello.size(); ++i) {
     // No request of the caller's was sent yet: a failure here is an ordinary connection error.
-    last = read_reply(c.get(), "while authenticating", false);
+    last = read_reply(c, "while authenticating", false);
     if (is_error(last.get()) && first_error.empty()) first_error = std::string(reply_text(last.get()));
   }
   if (!first_error.empty()) throw_reply_error(first_error, "the connection handshake (AUTH/SELECT)", store_hints);
@@ -201,26 +262,57 @@ Client::Connection Client::connect() const {
   return {std::move(c), epoch};
 }
 
-void Client::send(redisContext* c, std::string_view data, std::size_t first) const {
-  const std::size_t sent = write_all(c->fd, data);
+// A TLS-only port (`port 0`) ends a plain-text connection at its first bytes.
+constexpr const char* plain_on_tls_hint = " (if this is a TLS port, connect with rediss:// or RedisOptions::tls)";
+
+void Client::send(Link& c, std::string_view data, std::size_t first) const {
+  const std::size_t sent = c.write(data);
   if (sent == data.size()) return;
+  const int err = errno;
+  throw_if_tls_refused(c, err);
   // A request the server did not get whole cannot run; one after a whole one might have.
-  if (sent < first) throw NotSent{std::strerror(errno)};
+  if (sent < first)
+    throw NotSent{std::string(std::strerror(err)) +
+                  (!c.tls && !c.answered && opt_.unix_socket.empty() ? std::string(plain_on_tls_hint) : "")};
+  errno = err;
   throw_io(c, "while sending a pipeline", true);
 }
 
-void Client::resend_after(redisContext* c, std::string_view data, const char* during) const {
-  if (write_all(c->fd, data) != data.size()) throw_io(c, during, false);
+void Client::resend_after(Link& c, std::string_view data, const char* during) const {
+  if (c.write(data) != data.size()) throw_io(c, during, false);
 }
 
-ReplyPtr Client::read_reply(redisContext* c, const char* during, bool maybe_ran) const {
-  void* r = nullptr;
-  if (redisGetReply(c, &r) != REDIS_OK || r == nullptr) throw_io(c, during, maybe_ran);
-  return ReplyPtr(static_cast<redisReply*>(r));
+ReplyPtr Client::read_reply(Link& c, const char* during, bool maybe_ran) const {
+  ReplyPtr r = c.read();
+  if (!r) throw_io(c, during, maybe_ran);
+  return r;
 }
 
-void Client::throw_io(const redisContext* c, const char* during, bool maybe_ran) const {
-  IoFailure f = io_failure(c, during, where(), opt_.command_timeout);
+// The server ended the session before its first reply: TLS refused it (an alert), or it asked
+// for a client certificate this client does not have. Nothing ran, and retrying cannot help.
+void Client::throw_if_tls_refused(const Link& c, int err) const {
+  if (c.tls && !c.answered && err != EAGAIN && (c.tls->refused() || c.tls->certificate_missing())) {
+    const std::string what =
+        c.tls->refused() ? c.tls->failure() : (c->errstr[0] != 0 ? std::string(c->errstr) : std::strerror(err));
+    if (c.tls->certificate_missing())
+      throw connection_error("idem: TLS with Redis at " + where() +
+                                 " failed: the server asked for a client certificate, none is configured, and it "
+                                 "ended the session (" + what +
+                                 "); with tls-auth-clients yes set tls.cert_file and tls.key_file",
+                             "TLS", false);
+    throw connection_error("idem: TLS with Redis at " + where() + " failed: the server refused the session (" + what +
+                               ")",
+                           "TLS", false);
+  }
+}
+
+void Client::throw_io(const Link& c, const char* during, bool maybe_ran) const {
+  const int err = errno;
+  throw_if_tls_refused(c, err);
+  errno = err;
+  IoFailure f = io_failure(c.context.get(), during, where(), opt_.command_timeout);
+  if (!c.tls && !c.answered && !f.timed_out && opt_.unix_socket.empty())
+    f.text += std::string(" before its first reply") + plain_on_tls_hint;
   if (maybe_ran) throw InDoubt{std::move(f)};
   throw_io_error(f, false);
 }
@@ -238,7 +330,7 @@ void Client::check_loaded(const redisReply* r, Script s, const ReplyErrorHints& 
 }
 
 // After NOSCRIPT nothing has run, so a SCRIPT LOAD that cannot be sent may be retried elsewhere.
-void Client::load(redisContext* c, Script s, const ReplyErrorHints& hints) const {
+void Client::load(Link& c, Script s, const ReplyErrorHints& hints) const {
   const Request req = script_load(s).format();
   send(c, req.view(), req.size);
   check_loaded(read_reply(c, "to SCRIPT LOAD").get(), s, hints);
@@ -272,7 +364,7 @@ constexpr std::string_view asking_request = "*1\r\n$6\r\nASKING\r\n";
 }  // namespace
 
 template <class Requests>
-void Client::run_scripts(redisContext* c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
+void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
                          ReplyPtr* wait) const {
   const char* during = p.size() == 1 ? "to EVALSHA" : "to a batch of EVALSHA";
   // WAIT goes in the same write as the scripts: one round trip, and it counts the replicas that
@@ -348,7 +440,7 @@ ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints
 ReplyPtr Client::eval_at(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, bool asking) {
   const bool wait = !wait_.empty() && !reads_only(s);
   Single r = with_resend(
-      [&](redisContext* c) {
+      [&](Link& c) {
         Single out;
         if (asking)
           run_scripts(c, s, AskingRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
@@ -371,7 +463,7 @@ std::vector<ReplyPtr> Client::eval_many_at(Script s, const Pipeline& p, const Re
   if (p.size() == 0) return {};
   const bool wait = !wait_.empty() && !reads_only(s);
   Many r = with_resend(
-      [&](redisContext* c) {
+      [&](Link& c) {
         Many out;
         out.replies.resize(p.size());
         run_scripts(c, s, p, hints, out.replies.data(), wait ? &out.wait : nullptr);
@@ -388,7 +480,7 @@ ReplyPtr Client::call(const Request& req, const char* during, int slot) {
 }
 
 ReplyPtr Client::call_at(std::string_view req, const char* during, bool asking) {
-  return with_connection([&](redisContext* c) {
+  return with_connection([&](Link& c) {
     if (!asking) {
       send(c, req, req.size());
       return read_reply(c, during);
@@ -426,7 +518,7 @@ ServerConfig Client::server_config() {
   Pipeline p;
   p.add(Command().arg("CONFIG").arg("GET").arg("maxmemory*").format());
   p.add(Command().arg("CONFIG").arg("GET").arg("proto-max-bulk-len").format());
-  std::array<ReplyPtr, 2> r = with_connection([&](redisContext* c) {
+  std::array<ReplyPtr, 2> r = with_connection([&](Link& c) {
     send(c, p.all(), p[0].size());
     std::array<ReplyPtr, 2> out;
     for (auto& one : out) one = read_reply(c, "to CONFIG GET");

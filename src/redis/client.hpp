@@ -24,6 +24,7 @@
 #include "idem/redis/client.hpp"
 #include "idem/redis/options.hpp"
 #include "scripts.hpp"
+#include "tls.hpp"
 
 namespace idem::detail::redis {
 
@@ -102,14 +103,32 @@ struct Endpoint {
 std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int default_port, const char* what);
 // RedisOptions::sentinels parsed.
 std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o);
-// The one write path: send(2) with MSG_NOSIGNAL until `data` is written or an error; the bytes written.
+// The plain write path: send(2) with MSG_NOSIGNAL until `data` is written or an error; the bytes written.
 std::size_t write_all(int fd, std::string_view data) noexcept;
+
+// One connection: hiredis's context (the socket, the reply parser) and, over TLS, the session on
+// its socket. Every byte goes through write() and read(), so the rules above them (timeouts, no
+// SIGPIPE, NotSent or in doubt, the pool's idle check) are the same for TCP and TLS.
+struct Link {
+  ContextPtr context;
+  std::unique_ptr<TlsSession> tls;  // null: plain TCP (or a Unix socket)
+  bool answered = false;            // a reply came on it: the server took the session
+
+  redisContext* operator->() const noexcept { return context.get(); }
+  // The bytes written before all of `data` or an error (errno says which).
+  std::size_t write(std::string_view data) noexcept;
+  // The next reply, or null with context->err/errstr (and errno) saying why, as redisGetReply.
+  ReplyPtr read() noexcept;
+  // Nothing waiting to be read on an idle connection: the server has not closed it.
+  bool idle() noexcept;
+};
 // AUTH [user] password onto `p`, when there is a password.
 void add_auth(Pipeline& p, const std::string& user, const std::string& password);
 // "host:port", "[v6]:port", or the socket path (port 0).
 std::string describe(const Endpoint& e);
-// A socket to `to` with connect_timeout and command_timeout set (connection_error naming `role`).
-ContextPtr open_connection(const Endpoint& to, const RedisOptions& o, const char* role);
+// A socket to `to` with connect_timeout and command_timeout set, over TLS when `tls` is not null
+// (connection_error naming `role`).
+Link open_connection(const Endpoint& to, const RedisOptions& o, const char* role, const Tls* tls);
 
 class Cluster;
 
@@ -163,7 +182,7 @@ private:
   // A pooled connection and the pool generation it belongs to: a new master (Sentinel) or a
   // reason to doubt the current one starts a new generation, and older connections are closed.
   struct Connection {
-    ContextPtr context;
+    Link link;
     std::uint64_t epoch = 0;
   };
   struct Traits {
@@ -172,7 +191,7 @@ private:
     connection connect() const { return client->connect(); }
     bool alive(connection& c) const noexcept;
     bool reusable(connection& c) const noexcept {
-      return c.context && c.context->err == 0 && c.epoch == client->epoch_.load();
+      return c.link.context && c.link->err == 0 && c.epoch == client->epoch_.load();
     }
   };
 
@@ -202,7 +221,7 @@ private:
     for (int n = 0;; ++n) {
       try {
         typename Pool<Traits>::Lease lease(pool_);  // closed on the way out unless healthy
-        auto result = f(lease.get().context.get());
+        auto result = f(lease.get().link);
         lease.healthy();
         return result;
       } catch (const NotSent& e) {
@@ -267,18 +286,20 @@ private:
   // Sends the requests `p` (and WAIT after them when `wait` is not null), reads every reply into
   // out[0..p.size()), reloads and resends NOSCRIPT ones.
   template <class Requests>
-  void run_scripts(redisContext* c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
+  void run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
                    ReplyPtr* wait) const;
   // Throws durability_error when one of the n replies changed a record and WAIT counted too few replicas.
   void check_acks(Script s, const ReplyPtr* replies, std::size_t n, const ReplyPtr& wait) const;
 
   [[noreturn]] void throw_unsent(const NotSent& e) const;
-  // An I/O failure on `c`: InDoubt when the request may have run, else the typed error.
-  [[noreturn]] void throw_io(const redisContext* c, const char* during, bool maybe_ran) const;
+  // An I/O failure on `c`: InDoubt when the request may have run, else the typed error; TLS
+  // refusing the session is connection_error "TLS", not retryable.
+  [[noreturn]] void throw_io(const Link& c, const char* during, bool maybe_ran) const;
+  void throw_if_tls_refused(const Link& c, int err) const;
 
   Connection connect() const;
-  // Opens a socket to `to` with the timeouts set (connection_error naming `to` and `role`).
-  ContextPtr open(const Endpoint& to, const char* role) const;
+  // Opens a socket to `to` with the timeouts set, over TLS with `tls` (connection_error naming `to` and `role`).
+  Link open(const Endpoint& to, const char* role, const Tls* tls) const;
   // Sentinel mode: the master to connect to and its generation, asking the sentinels first when
   // the last one is in doubt.
   std::pair<Endpoint, std::uint64_t> master() const;
@@ -291,15 +312,16 @@ private:
   }
 
   // Writes `data` whole; throws NotSent when not even its first `first` bytes (its first request) left.
-  void send(redisContext* c, std::string_view data, std::size_t first) const;
+  void send(Link& c, std::string_view data, std::size_t first) const;
   // Writes `data` after an earlier request on the same connection: a failure is an I/O error.
-  void resend_after(redisContext* c, std::string_view data, const char* during) const;
+  void resend_after(Link& c, std::string_view data, const char* during) const;
   // The next reply; a failure is InDoubt when the request may have run (`maybe_ran`).
-  ReplyPtr read_reply(redisContext* c, const char* during, bool maybe_ran = true) const;
-  void load(redisContext* c, Script s, const ReplyErrorHints& hints) const;
+  ReplyPtr read_reply(Link& c, const char* during, bool maybe_ran = true) const;
+  void load(Link& c, Script s, const ReplyErrorHints& hints) const;
   static void check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints);
 
   RedisOptions opt_;
+  std::unique_ptr<const Tls> tls_;  // null without TLS; built once, shared by every connection
   std::string wait_;  // the formatted `WAIT n timeout`, "" when min_replica_acks is 0
   std::vector<Endpoint> sentinels_;
   mutable std::mutex master_mu_;         // guards master_ and first_sentinel_, serialises discovery

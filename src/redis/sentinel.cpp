@@ -41,16 +41,17 @@ Endpoint Client::discover() const {
   p.add(ask.format());
   std::string why;
   bool any_answer = false;
+  int tls_refused = 0;  // sentinels whose TLS checks failed
   for (std::size_t n = 0; n < sentinels_.size(); ++n) {
     const std::size_t i = (first_sentinel_ + n) % sentinels_.size();
     const std::string at = describe(sentinels_[i]);
     try {
-      ContextPtr c = open(sentinels_[i], "the Redis sentinel");
+      Link c = open(sentinels_[i], "the Redis sentinel", opt_.tls.sentinels ? tls_.get() : nullptr);
       // Not read_reply: its messages name the master, whose lock this thread holds.
       auto failed = [&](const char* during) {
-        why += "; " + at + ": " + io_failure(c.get(), during, at, opt_.command_timeout).text;
+        why += "; " + at + ": " + io_failure(c.context.get(), during, at, opt_.command_timeout).text;
       };
-      if (write_all(c->fd, p.all()) != p.all().size()) {
+      if (c.write(p.all()) != p.all().size()) {
         failed("while sending");
         continue;
       }
@@ -58,13 +59,12 @@ Endpoint Client::discover() const {
       ReplyPtr last;
       bool broke = false;
       for (std::size_t k = 0; k < p.size() && !broke; ++k) {
-        void* raw = nullptr;
-        if (redisGetReply(c.get(), &raw) != REDIS_OK || raw == nullptr) {
+        last = c.read();
+        if (!last) {
           failed("to SENTINEL get-master-addr-by-name");
           broke = true;
           break;
         }
-        last.reset(static_cast<redisReply*>(raw));
         if (is_error(last.get()) && refused.empty()) refused = reply_text(last.get());
       }
       if (broke) continue;
@@ -86,9 +86,14 @@ Endpoint Client::discover() const {
       why += "; " + at + " does not know a master named '" + opt_.sentinel_master + "'";
     } catch (const error& e) {
       why += "; " + at + ": " + e.what();
+      if (const auto* ce = dynamic_cast<const connection_error*>(&e); ce && ce->code() == "TLS" && !ce->retryable())
+        ++tls_refused;
     }
   }
   const std::string msg = "idem: no sentinel named the Redis master '" + opt_.sentinel_master + "'" + why;
+  // Every sentinel failed a TLS check: asking again cannot help.
+  if (tls_refused > 0 && static_cast<std::size_t>(tls_refused) == sentinels_.size())
+    throw connection_error(msg + ". Check the TLS settings (RedisOptions::tls, tls.sentinels)", "TLS", false);
   if (any_answer)
     throw connection_error(msg + ". Check sentinel_master against `sentinel monitor <name> ...` (SENTINEL MASTERS "
                                  "lists the names); retry later if a failover is under way",

@@ -111,9 +111,10 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
     bad("expected redis://host[:port][/db], unix:///path or redis-sentinel://host:port[,host:port...]/master-name");
   const std::string_view scheme = url.substr(0, scheme_end);
   std::string_view rest = url.substr(scheme_end + 3);
-  if (scheme == "rediss") bad("TLS (rediss://) is not supported: idem's hiredis is built without TLS");
-  if (scheme != "redis" && scheme != "unix" && scheme != "redis-sentinel" && scheme != "redis-cluster")
-    bad("unknown scheme '" + printable(scheme) + "'; use redis://, unix://, redis-cluster:// or redis-sentinel://");
+  if (scheme != "redis" && scheme != "rediss" && scheme != "unix" && scheme != "redis-sentinel" &&
+      scheme != "redis-cluster")
+    bad("unknown scheme '" + printable(scheme) +
+        "'; use redis://, rediss:// (TLS), unix://, redis-cluster:// or redis-sentinel://");
   const bool unix_scheme = scheme == "unix";
   const bool sentinel_scheme = scheme == "redis-sentinel";
   const bool cluster_scheme = scheme == "redis-cluster";
@@ -157,6 +158,8 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
 
   int db = 0;
   std::string sentinel_user, sentinel_password;
+  RedisTlsOptions tls = o.tls;
+  if (scheme == "rediss") tls.enabled = true;
   if (unix_scheme) {
     if (path.empty() || path.front() != '/') bad("a unix:// URL needs an absolute socket path, as unix:///run/redis.sock");
     o.unix_socket = percent_decode(path, shown);
@@ -189,20 +192,55 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
     o.cluster_nodes.clear();
     if (!path.empty() && path != "/") db = parse_int(path.substr(1), 0, 1'000'000, "database index", shown);
   }
+  // yes/true/1 or no/false/0.
+  auto flag = [&](std::string_view name, std::string_view v) {
+    if (v == "yes" || v == "true" || v == "1") return true;
+    if (v == "no" || v == "false" || v == "0") return false;
+    bad(std::string(name) + " '" + printable(v) + "' is not yes or no");
+    return false;
+  };
   while (!query.empty()) {
     const auto amp = query.find('&');
     const std::string_view kv = query.substr(0, amp);
     query = amp == std::string_view::npos ? std::string_view{} : query.substr(amp + 1);
-    if (kv.substr(0, 3) == "db=")
+    const auto eq = kv.find('=');
+    const std::string_view key = kv.substr(0, eq);
+    const std::string_view value = eq == std::string_view::npos ? std::string_view{} : kv.substr(eq + 1);
+    if (key == "tls") {
+      // A URL turns TLS on, never off: a `tls.enabled` set in code is not undone by a URL.
+      if (flag(key, value)) tls.enabled = true;
+    } else if (key == "tls_ca_file") {
+      tls.ca_file = percent_decode(value, shown);
+    } else if (key == "tls_ca_dir") {
+      tls.ca_dir = percent_decode(value, shown);
+    } else if (key == "tls_cert_file") {
+      tls.cert_file = percent_decode(value, shown);
+    } else if (key == "tls_key_file") {
+      tls.key_file = percent_decode(value, shown);
+    } else if (key == "tls_server_name") {
+      tls.server_name = percent_decode(value, shown);
+    } else if (key == "tls_min_version") {
+      if (value == "1.2")
+        tls.min_version = TlsVersion::tls1_2;
+      else if (value == "1.3")
+        tls.min_version = TlsVersion::tls1_3;
+      else
+        bad("tls_min_version '" + printable(value) + "' is not 1.2 or 1.3");
+    } else if (sentinel_scheme && key == "sentinel_tls") {
+      tls.sentinels = flag(key, value);
+    } else if (kv.substr(0, 3) == "db=")
       db = parse_int(kv.substr(3), 0, 1'000'000, "database index", shown);
     else if (sentinel_scheme && kv.substr(0, 14) == "sentinel_user=")
       sentinel_user = percent_decode(kv.substr(14), shown);
     else if (sentinel_scheme && kv.substr(0, 18) == "sentinel_password=")
       sentinel_password = percent_decode(kv.substr(18), shown);
     else
-      bad("unknown parameter '" + printable(kv.substr(0, kv.find('='))) + "'; only db=N" +
-          (sentinel_scheme ? ", sentinel_user=U and sentinel_password=P are" : " is") + " understood");
+      bad("unknown parameter '" + printable(key) + "'; only db=N, tls=yes, tls_ca_file, tls_ca_dir, tls_cert_file, " +
+          "tls_key_file, tls_server_name, tls_min_version" +
+          (sentinel_scheme ? ", sentinel_tls, sentinel_user and sentinel_password are" : " are") + " understood");
   }
+  if (tls.enabled && unix_scheme) bad("TLS over a unix:// socket: Redis speaks TLS on TCP only (tls-port)");
+  o.tls = std::move(tls);
   o.user = std::move(user);
   o.password = std::move(password);
   o.db = db;
@@ -226,6 +264,14 @@ void check_options(const RedisOptions& o) {
     if (o.port < 1 || o.port > 65535) bad("port " + std::to_string(o.port) + " is not in 1..65535");
   }
   if (o.db < 0) bad("db " + std::to_string(o.db) + " is negative");
+  if (o.tls.enabled && !o.unix_socket.empty())
+    bad("tls with unix_socket '" + printable(o.unix_socket) + "': Redis speaks TLS on TCP only (tls-port)");
+  if (o.tls.cert_file.empty() != o.tls.key_file.empty())
+    bad(o.tls.cert_file.empty() ? "tls.key_file is set without tls.cert_file" : "tls.cert_file is set without tls.key_file");
+  if (!o.tls.enabled && (o.tls.sentinels || !o.tls.ca_file.empty() || !o.tls.ca_dir.empty() ||
+                         !o.tls.cert_file.empty() || !o.tls.server_name.empty()))
+    bad("tls settings are given but tls.enabled is false (use rediss:// or ?tls=yes): idem does not fall back to "
+        "plain text");
   if (o.connect_timeout <= millis{0}) bad("connect_timeout must be positive, got " + ms(o.connect_timeout));
   if (o.command_timeout <= millis{0}) bad("command_timeout must be positive, got " + ms(o.command_timeout));
   check_pool_options(o.pool, "RedisOptions");

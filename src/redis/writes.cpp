@@ -17,9 +17,9 @@ void Client::Stream::send(Script s, std::string_view req) {
   if (broken_) return;  // finish() sends it alone
   try {
     if (!lease_) lease_ = std::make_unique<Pool<Traits>::Lease>(c_->pool_);
-    redisContext* c = lease_->get().context.get();
+    Link& c = lease_->get().link;
     // Written whole or not counted: a request the server got in part cannot run.
-    if (write_all(c->fd, req) == req.size())
+    if (c.write(req) == req.size())
       ++written_;
     else
       broken_ = true;
@@ -32,11 +32,11 @@ std::vector<ReplyPtr> Client::Stream::finish(const ReplyErrorHints& hints) {
   std::vector<ReplyPtr> out(requests_.size());
   ReplyPtr wait;
   if (lease_ && written_ > 0) {
-    redisContext* c = lease_->get().context.get();
+    Link& c = lease_->get().link;
     try {
       const bool acks = !c_->wait_.empty();
       // One WAIT after the last write counts the replicas that have every write of the stream.
-      if (acks && !broken_ && write_all(c->fd, c_->wait_) != c_->wait_.size()) broken_ = true;
+      if (acks && !broken_ && c.write(c_->wait_) != c_->wait_.size()) broken_ = true;
       for (std::size_t i = 0; i < written_; ++i) out[i] = c_->read_reply(c, "to a batch's write");
       if (acks && !broken_) wait = c_->read_reply(c, "to WAIT");
       if (!broken_) lease_->healthy();

@@ -222,6 +222,8 @@ TEST_CASE("AsyncRedisStore: bad configuration is refused at construction", "[asi
   idem::RedisOptions sentinel;
   sentinel.url = "redis-sentinel://127.0.0.1:26379/mymaster";
   CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), sentinel), idem::invalid_options_error);
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "rediss://127.0.0.1:6379"}),
+                  idem::invalid_options_error);
   idem::RedisOptions nowhere;
   nowhere.port = idem::test::free_port();
   CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), nowhere), idem::connection_error);

@@ -176,7 +176,7 @@ TEST_CASE("bad input: RedisStore refuses each case and changes nothing", "[bad_i
                                 [&] { (void)store.acquire(list, params()); });
 
   // URLs and options: refused before anything connects.
-  for (const char* url : {"http://localhost", "rediss://localhost:6379", "redis://localhost:99999", "redis://host:0",
+  for (const char* url : {"http://localhost", "rediss://localhost:6379?tls_min_version=1.0", "redis://localhost:99999", "redis://host:0",
                           "redis://u%zz:p@host", "redis://host/?timeout=5", "redis://user:@host", "redis://host/abc",
                           "redis-sentinel://h:26379/", "redis-cluster://h:7000/3", "unix://relative.sock", "redis://"}) {
     fx.refused<idem::invalid_options_error>(url, [&] {

@@ -87,7 +87,7 @@ TEST_CASE("redis URL parsing", "[redis][options]") {
   CHECK(o.user == "bob");
   CHECK(o.db == 2);
 
-  for (const char* bad : {"", "localhost:6379", "http://x", "rediss://h", "redis://", "redis://h:0",
+  for (const char* bad : {"", "localhost:6379", "http://x", "rediss://h?tls_min_version=1.0", "redis://", "redis://h:0",
                           "redis://h:70000", "redis://h:port", "redis://h/db", "redis://h/-1", "redis://u:%zz@h",
                           "redis://alice:@h", "unix://relative.sock", "redis://h?timeout=1", "redis://[::1"}) {
     INFO("url: " << bad);
@@ -154,7 +154,7 @@ TEST_CASE("redis options are validated before connecting", "[redis][options]") {
   bad([](RedisOptions& o) { o.key_prefix = "idem{:"; });
   bad([](RedisOptions& o) { o.key_prefix = "{}:"; });
   bad([](RedisOptions& o) { o.key_prefix = "{a}{b}:"; });
-  bad([](RedisOptions& o) { o.url = "rediss://127.0.0.1"; });
+  bad([](RedisOptions& o) { o.url = "rediss://127.0.0.1?tls_ca_file=/nonexistent/ca.pem"; });
   bad([](RedisOptions& o) { o.min_replica_acks = -1; });
   bad([](RedisOptions& o) {
     o.min_replica_acks = 1;

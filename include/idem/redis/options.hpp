@@ -12,6 +12,31 @@
 
 namespace idem {
 
+/// The oldest TLS protocol version a RedisClient accepts.
+enum class TlsVersion { tls1_2, tls1_3 };
+
+/// TLS settings of a RedisClient (docs/redis.md, "TLS"); `rediss://` turns TLS on.
+struct RedisTlsOptions {
+  /// true = every connection to a data node (the server, the Sentinel master, each cluster node) speaks TLS.
+  bool enabled = false;
+  /// PEM file of the CA certificates trusted to sign the servers'; with ca_dir empty too = the system's trust store.
+  std::string ca_file;
+  /// Directory of CA certificates named by their hash (openssl rehash); with or instead of ca_file.
+  std::string ca_dir;
+  /// PEM client certificate (chain) for mutual TLS (`tls-auth-clients yes`); set together with key_file.
+  std::string cert_file;
+  /// PEM private key of cert_file, not encrypted; read once at construction, never quoted in a message.
+  std::string key_file;
+  /// Name sent as SNI and checked against the server's certificate; empty = the host connected to.
+  std::string server_name;
+  /// Check that the certificate names the server (server_name or the host); the chain is checked either way.
+  bool verify_hostname = true;
+  /// The oldest protocol version accepted.
+  TlsVersion min_version = TlsVersion::tls1_2;
+  /// Sentinel mode: the sentinels speak TLS too (same files; each checked against its own host unless server_name is set).
+  bool sentinels = false;
+};
+
 /// Options of RedisClient (and of the stores that build their own). Durations in milliseconds;
 /// docs/redis.md explains each choice.
 struct RedisOptions {
@@ -20,7 +45,10 @@ struct RedisOptions {
   /// `redis-sentinel://[user[:password]@]host:port[,host:port...]/master-name[/db]` (user and
   /// password percent-decoded: the data nodes'; a sentinel URL may add `?sentinel_user=U&
   /// sentinel_password=P`); when set it overrides host, port, unix_socket, user, password, db and
-  /// the cluster and sentinel fields. Empty = use those fields. `rediss://` is refused: no TLS support.
+  /// the cluster and sentinel fields. `rediss://` is `redis://` over TLS; `?tls=yes` turns TLS on for
+  /// the other schemes, and tls_ca_file, tls_ca_dir, tls_cert_file, tls_key_file, tls_server_name,
+  /// tls_min_version (1.2, 1.3) and sentinel_tls=yes set the `tls` fields. A URL never turns TLS off.
+  /// Empty = use those fields.
   std::string url;
   /// Server host name or address, used when unix_socket is empty.
   std::string host = "127.0.0.1";
@@ -41,6 +69,8 @@ struct RedisOptions {
   millis connect_timeout{1'000};
   /// Bound on one command's send and reply; > 0. A timed-out call throws timeout_error, retryable.
   millis command_timeout{1'000};
+  /// TLS for every connection (the handshake is bounded by connect_timeout); off by default.
+  RedisTlsOptions tls{};
   /// The connection pool (idem/core/pool_options.hpp): size > 0, wait >= 0 (0 = fail at once).
   PoolOptions pool{};
   /// A RedisStore refuses (store_error, code `EVICTION`) a server whose `maxmemory` > 0 with a
@@ -77,7 +107,7 @@ struct RedisOptions {
   std::shared_ptr<Observer> observer;
 };
 
-/// Parses a `redis://`, `unix://`, `redis-cluster://` or `redis-sentinel://` URL onto `base`; throws invalid_options_error naming the flaw.
+/// Parses a `redis://`, `rediss://`, `unix://`, `redis-cluster://` or `redis-sentinel://` URL onto `base`; throws invalid_options_error naming the flaw.
 RedisOptions parse_redis_url(std::string_view url, RedisOptions base = {});
 
 }  // namespace idem

@@ -1,0 +1,331 @@
+// TLS for the Redis client on OpenSSL (tls.hpp).
+
+#include "tls.hpp"
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509v3.h>
+
+#include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
+
+namespace idem::detail::redis {
+
+namespace {
+
+// The reason of the first error on this thread's OpenSSL queue ("" when none), and the queue cleared.
+std::string openssl_reason() {
+  const unsigned long e = ERR_get_error();
+  ERR_clear_error();
+  if (e == 0) return {};
+  const char* reason = ERR_reason_error_string(e);
+  return reason != nullptr ? reason : "OpenSSL error " + std::to_string(ERR_GET_REASON(e));
+}
+
+// The socket BIO of every session: send(2) with MSG_NOSIGNAL, as the plain path writes (OpenSSL's
+// own socket BIO uses write(2), which raises SIGPIPE on a socket the server closed), and recv(2)
+// with MSG_DONTWAIT while the session is non-blocking (the bounded handshake, the idle check).
+int bio_write(BIO* b, const char* data, int len) {
+  auto* s = static_cast<TlsSession*>(BIO_get_data(b));
+  BIO_clear_retry_flags(b);
+  ssize_t n;
+  do n = ::send(s->fd_, data, static_cast<std::size_t>(len), MSG_NOSIGNAL | (s->nonblocking_ ? MSG_DONTWAIT : 0));
+  while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_write(b);
+  return static_cast<int>(n);
+}
+
+int bio_read(BIO* b, char* buf, int len) {
+  auto* s = static_cast<TlsSession*>(BIO_get_data(b));
+  BIO_clear_retry_flags(b);
+  ssize_t n;
+  do n = ::recv(s->fd_, buf, static_cast<std::size_t>(len), s->nonblocking_ ? MSG_DONTWAIT : 0);
+  while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_read(b);
+  return static_cast<int>(n);
+}
+
+long bio_ctrl(BIO*, int cmd, long, void*) { return cmd == BIO_CTRL_FLUSH ? 1 : 0; }
+
+int bio_create(BIO* b) {
+  BIO_set_init(b, 1);
+  return 1;
+}
+
+const BIO_METHOD* socket_method() {
+  static BIO_METHOD* const m = [] {
+    BIO_METHOD* bm = BIO_meth_new(BIO_get_new_index() | BIO_TYPE_SOURCE_SINK, "idem redis socket");
+    BIO_meth_set_write(bm, bio_write);
+    BIO_meth_set_read(bm, bio_read);
+    BIO_meth_set_ctrl(bm, bio_ctrl);
+    BIO_meth_set_create(bm, bio_create);
+    return bm;
+  }();
+  return m;
+}
+
+bool is_ip_address(const std::string& host) {
+  unsigned char buf[sizeof(in6_addr)];
+  return inet_pton(AF_INET, host.c_str(), buf) == 1 || inet_pton(AF_INET6, host.c_str(), buf) == 1;
+}
+
+// A missing or unreadable file is refused here, naming the field, rather than as OpenSSL's
+// "system lib" at the first connection.
+void check_readable(const std::string& path, const char* field, bool directory = false) {
+  if (path.empty()) return;
+  if (::access(path.c_str(), directory ? (R_OK | X_OK) : R_OK) != 0)
+    throw invalid_options_error("idem: RedisOptions: " + std::string(field) + " '" + printable(path, 200) +
+                                "' cannot be read: " + std::strerror(errno));
+}
+
+// Password-protected keys are refused rather than prompted for on the terminal.
+int no_password(char*, int, int, void*) { return 0; }
+
+// Called when the server asks for a client certificate and none is configured.
+int no_client_certificate(SSL* ssl, X509**, EVP_PKEY**) {
+  // Only noted: the server may go on without one (tls-auth-clients optional).
+  if (auto* s = static_cast<TlsSession*>(SSL_get_app_data(ssl))) s->certificate_asked_ = true;
+  return 0;
+}
+
+// What the refused certificate failed: the check, in words.
+std::string verify_failure(long code, const std::string& name) {
+  const std::string text = X509_verify_cert_error_string(code);
+  switch (code) {
+    case X509_V_ERR_HOSTNAME_MISMATCH:
+    case X509_V_ERR_IP_ADDRESS_MISMATCH:
+      return "host name check: " + text + ", the certificate does not name '" + printable(name, 200) +
+             "' (set tls.server_name to a name it carries, or connect by that name)";
+    case X509_V_ERR_CERT_HAS_EXPIRED:
+    case X509_V_ERR_CERT_NOT_YET_VALID:
+    case X509_V_ERR_CRL_HAS_EXPIRED:
+      return "validity period check: " + text + " (renew the server's certificate, or check this host's clock)";
+    case X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY:
+    case X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT:
+    case X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT:
+    case X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN:
+    case X509_V_ERR_CERT_UNTRUSTED:
+      return "chain of trust check: " + text +
+             " (is tls.ca_file / tls.ca_dir the CA that signed the server's certificate?)";
+    default: return "certificate check: " + text;
+  }
+}
+
+[[noreturn]] void refuse(const std::string& at, const char* role, const std::string& why) {
+  throw connection_error("idem: TLS with " + std::string(role) + " at " + at + " failed: " + why, "TLS", false);
+}
+
+}  // namespace
+
+Tls::Tls(const RedisTlsOptions& o) : server_name_(o.server_name), verify_hostname_(o.verify_hostname) {
+  check_readable(o.ca_file, "tls.ca_file");
+  check_readable(o.ca_dir, "tls.ca_dir", true);
+  check_readable(o.cert_file, "tls.cert_file");
+  check_readable(o.key_file, "tls.key_file");
+  ERR_clear_error();
+  ctx_ = SSL_CTX_new(TLS_client_method());
+  if (ctx_ == nullptr) throw connection_error("idem: cannot create a TLS context: " + openssl_reason(), "TLS", false);
+  auto bad = [&](const std::string& field, const std::string& path) {
+    const std::string why = openssl_reason();
+    SSL_CTX_free(ctx_);
+    ctx_ = nullptr;
+    throw invalid_options_error("idem: RedisOptions: " + field + " '" + printable(path, 200) +
+                                "' cannot be used: " + (why.empty() ? "not a PEM file of the right kind" : why));
+  };
+  SSL_CTX_set_min_proto_version(ctx_, o.min_version == TlsVersion::tls1_3 ? TLS1_3_VERSION : TLS1_2_VERSION);
+  SSL_CTX_set_verify(ctx_, SSL_VERIFY_PEER, nullptr);
+  SSL_CTX_set_mode(ctx_, SSL_MODE_ENABLE_PARTIAL_WRITE | SSL_MODE_AUTO_RETRY);
+  SSL_CTX_set_default_passwd_cb(ctx_, no_password);
+  SSL_CTX_set_client_cert_cb(ctx_, no_client_certificate);
+  if (o.ca_file.empty() && o.ca_dir.empty()) {
+    if (SSL_CTX_set_default_verify_paths(ctx_) != 1) bad("tls.ca_file", "(the system's trust store)");
+  } else if (SSL_CTX_load_verify_locations(ctx_, o.ca_file.empty() ? nullptr : o.ca_file.c_str(),
+                                           o.ca_dir.empty() ? nullptr : o.ca_dir.c_str()) != 1) {
+    bad(o.ca_file.empty() ? "tls.ca_dir" : "tls.ca_file", o.ca_file.empty() ? o.ca_dir : o.ca_file);
+  }
+  if (!o.cert_file.empty()) {
+    if (SSL_CTX_use_certificate_chain_file(ctx_, o.cert_file.c_str()) != 1) bad("tls.cert_file", o.cert_file);
+    if (SSL_CTX_use_PrivateKey_file(ctx_, o.key_file.c_str(), SSL_FILETYPE_PEM) != 1)
+      bad("tls.key_file", o.key_file);
+    if (SSL_CTX_check_private_key(ctx_) != 1) bad("tls.key_file (does it match tls.cert_file?)", o.key_file);
+    has_cert_ = true;
+  }
+}
+
+Tls::~Tls() { SSL_CTX_free(ctx_); }
+
+std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const std::string& at, const char* role,
+                                         millis timeout) const {
+  std::unique_ptr<TlsSession> s(new TlsSession());
+  s->fd_ = fd;
+  ERR_clear_error();
+  s->ssl_ = SSL_new(ctx_);
+  BIO* bio = s->ssl_ != nullptr ? BIO_new(socket_method()) : nullptr;
+  if (bio == nullptr) throw connection_error("idem: cannot create a TLS session: " + openssl_reason(), "TLS", true);
+  BIO_set_data(bio, s.get());
+  SSL_set_bio(s->ssl_, bio, bio);
+  SSL_set_app_data(s->ssl_, s.get());
+  const std::string& name = server_name_.empty() ? host : server_name_;
+  // SNI carries host names only (RFC 6066): an address is checked, not sent.
+  if (!is_ip_address(name)) SSL_set_tlsext_host_name(s->ssl_, name.c_str());
+  if (verify_hostname_) {
+    X509_VERIFY_PARAM* param = SSL_get0_param(s->ssl_);
+    X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+    const int ok = is_ip_address(name) ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str())
+                                       : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
+    if (ok != 1) refuse(at, role, "'" + printable(name, 200) + "' cannot be checked as a host name");
+  }
+
+  // Non-blocking, so the handshake as a whole (several round trips) is bounded by `timeout`.
+  s->nonblocking_ = true;
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    ERR_clear_error();
+    errno = 0;
+    const int rc = SSL_connect(s->ssl_);
+    if (rc == 1) break;
+    const int err = SSL_get_error(s->ssl_, rc);
+    if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
+      const auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
+      pollfd p{fd, static_cast<short>(err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
+      int n = 0;
+      if (left.count() > 0) {
+        do n = ::poll(&p, 1, static_cast<int>(left.count()));
+        while (n < 0 && errno == EINTR);
+      }
+      if (n > 0) continue;
+      throw timeout_error("idem: TLS handshake with " + std::string(role) + " at " + at +
+                              " did not complete within connect_timeout (" + std::to_string(timeout.count()) +
+                              " ms): the network is slow, or it is a plain-text port (a Redis without TLS waits "
+                              "for more of what it takes for a command); retry later, or use redis:// for a "
+                              "plain-text port",
+                          "TLS", true);
+    }
+    const long verify = SSL_get_verify_result(s->ssl_);
+    if (verify != X509_V_OK) refuse(at, role, "the server's certificate was refused by the " + verify_failure(verify, name));
+    if (err == SSL_ERROR_SSL) {
+      const unsigned long e = ERR_peek_error();
+      const int reason = ERR_GET_REASON(e);
+      const std::string text = openssl_reason();
+      if (reason == SSL_R_WRONG_VERSION_NUMBER || reason == SSL_R_PACKET_LENGTH_TOO_LONG ||
+          reason == SSL_R_UNKNOWN_PROTOCOL ||
+          reason == SSL_R_UNEXPECTED_EOF_WHILE_READING || reason == SSL_R_HTTP_REQUEST)
+        refuse(at, role,
+               "it did not answer in TLS (" + text +
+                   "): is it a plain-text port? use redis:// for it, or the server's tls-port for rediss://");
+      if (s->certificate_asked_)
+        refuse(at, role, "the server asked for a client certificate and none is configured (" + text +
+                             "); with tls-auth-clients yes set tls.cert_file and tls.key_file");
+      refuse(at, role, "the handshake was refused: " + (text.empty() ? std::string("unknown TLS error") : text));
+    }
+    // The socket failed or closed under the handshake: a closed one is what a plain-text Redis
+    // does with the handshake's bytes, so say so; both may pass, so both are retryable.
+    const int sys = errno;
+    const std::string why = sys != 0 ? std::strerror(sys) : "the server closed the connection";
+    throw connection_error("idem: TLS handshake with " + std::string(role) + " at " + at + " failed: " + why +
+                               " (a plain-text Redis closes the connection on a TLS handshake: use redis:// for a "
+                               "plain-text port); retry later",
+                           "", true);
+  }
+  s->nonblocking_ = false;
+  return s;
+}
+
+TlsSession::~TlsSession() {
+  // No close_notify: the socket is closed right after, and a blocking shutdown could stall.
+  SSL_free(ssl_);
+}
+
+void TlsSession::failed(int ret) noexcept {
+  const int saved = errno;
+  const int err = SSL_get_error(ssl_, ret);
+  refused_ = false;
+  failure_.clear();
+  switch (err) {
+    case SSL_ERROR_WANT_READ:
+    case SSL_ERROR_WANT_WRITE:
+      // The socket's send/receive timeout (command_timeout) expired.
+      ERR_clear_error();
+      errno = EAGAIN;
+      return;
+    case SSL_ERROR_ZERO_RETURN:
+      ERR_clear_error();
+      errno = 0;
+      return;
+    case SSL_ERROR_SYSCALL:
+      // errno 0: the socket reached EOF without close_notify, read as a close.
+      ERR_clear_error();
+      errno = saved;
+      return;
+    default: {
+      const int reason = ERR_GET_REASON(ERR_peek_error());
+      const std::string text = openssl_reason();
+      if (reason == SSL_R_UNEXPECTED_EOF_WHILE_READING) {
+        errno = 0;  // read as a close, like a plain socket's EOF
+        return;
+      }
+      try {
+        failure_ = "TLS: " + (text.empty() ? std::string("unknown TLS error") : text);
+      } catch (...) {
+      }
+      refused_ = true;
+      errno = EPROTO;
+    }
+  }
+}
+
+std::size_t TlsSession::write(std::string_view data) noexcept {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    ERR_clear_error();
+    const std::size_t chunk = std::min<std::size_t>(data.size() - done, 1 << 30);
+    const int n = SSL_write(ssl_, data.data() + done, static_cast<int>(chunk));
+    if (n <= 0) {
+      failed(n);
+      if (errno == 0) errno = EPIPE;
+      break;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return done;
+}
+
+long TlsSession::read(char* buf, std::size_t n) noexcept {
+  ERR_clear_error();
+  const int got = SSL_read(ssl_, buf, static_cast<int>(std::min<std::size_t>(n, 1 << 30)));
+  if (got > 0) return got;
+  failed(got);
+  return refused_ || errno != 0 ? -1 : 0;
+}
+
+bool TlsSession::idle() noexcept {
+  if (SSL_pending(ssl_) > 0) return false;
+  pollfd p{fd_, POLLIN, 0};
+  int rc;
+  do rc = ::poll(&p, 1, 0);
+  while (rc < 0 && errno == EINTR);
+  if (rc == 0) return true;
+  // Readable: a TLS 1.3 session ticket the server sent after the handshake is no reason to drop
+  // the connection; data or a close on an idle connection is.
+  nonblocking_ = true;
+  ERR_clear_error();
+  char b;
+  const int n = SSL_peek(ssl_, &b, 1);
+  const int err = n > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, n);
+  ERR_clear_error();
+  nonblocking_ = false;
+  return n <= 0 && err == SSL_ERROR_WANT_READ;
+}
+
+}  // namespace idem::detail::redis

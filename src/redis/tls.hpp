@@ -1,0 +1,84 @@
+#pragma once
+// Internal to idem_redis: TLS for the Redis client on OpenSSL, since Debian's hiredis 0.14 has
+// none. hiredis still opens the TCP socket and parses the replies; Tls is the context one client
+// builds from RedisTlsOptions (every file loaded and checked then, so a bad one fails at
+// construction), TlsSession the session of one connection on the socket hiredis connected.
+// Errors: a check that failed (certificate, host name, protocol, a plain-text server) is a
+// connection_error with code "TLS", not retryable; a socket that failed is an ordinary,
+// retryable connection_error, and a handshake that ran out of connect_timeout a timeout_error.
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "idem/core/record.hpp"
+#include "idem/redis/options.hpp"
+
+struct ssl_st;
+struct ssl_ctx_st;
+
+namespace idem::detail::redis {
+
+class TlsSession;
+
+class Tls {
+public:
+  // Throws invalid_options_error naming the field (tls.ca_file, tls.cert_file, ...) it cannot use.
+  explicit Tls(const RedisTlsOptions& o);
+  ~Tls();
+  Tls(const Tls&) = delete;
+  Tls& operator=(const Tls&) = delete;
+
+  // The handshake on `fd` (connected by hiredis), bounded by `timeout` as a whole. `host` is the
+  // name dialled (SNI and the name checked, unless server_name is set); `at` and `role` name the
+  // server in messages.
+  std::unique_ptr<TlsSession> connect(int fd, const std::string& host, const std::string& at, const char* role,
+                                      millis timeout) const;
+
+private:
+  ssl_ctx_st* ctx_ = nullptr;
+  std::string server_name_;
+  bool verify_hostname_ = true;
+  bool has_cert_ = false;
+};
+
+class TlsSession {
+public:
+  ~TlsSession();
+  TlsSession(const TlsSession&) = delete;
+  TlsSession& operator=(const TlsSession&) = delete;
+
+  // Writes until all of `data` went out or an error: the bytes written in whole TLS records (a
+  // record cut short cannot be decrypted, so the server never sees its bytes). errno is set as
+  // send(2) would set it (EAGAIN after the send timeout).
+  std::size_t write(std::string_view data) noexcept;
+  // Up to n decrypted bytes; 0 when the server closed the session; -1 on an error, with errno
+  // (EAGAIN: the receive timeout) and failure() saying what happened.
+  long read(char* buf, std::size_t n) noexcept;
+  // An idle session has no data to read: true when nothing is readable, or only records that
+  // are not data (TLS 1.3 session tickets, consumed here); false when data or a close is waiting.
+  bool idle() noexcept;
+  // Why the last read or write failed ("" for a plain socket error or timeout).
+  [[nodiscard]] const std::string& failure() const noexcept { return failure_; }
+  // The last failure was TLS refusing the session (an alert, a protocol error), not the socket.
+  [[nodiscard]] bool refused() const noexcept { return refused_; }
+  // The server asked for a client certificate and none is configured (mutual TLS).
+  [[nodiscard]] bool certificate_missing() const noexcept { return certificate_asked_; }
+
+  // Set by tls.cpp's socket BIO and callbacks.
+  int fd_ = -1;
+  bool nonblocking_ = false;
+  bool certificate_asked_ = false;
+
+private:
+  friend class Tls;
+  TlsSession() = default;
+  void failed(int ret) noexcept;
+
+  ssl_st* ssl_ = nullptr;
+  std::string failure_;
+  bool refused_ = false;
+};
+
+}  // namespace idem::detail::redis
