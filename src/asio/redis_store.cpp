@@ -195,17 +195,23 @@ private:
     timer_armed_ = false;
     reader_.reset(redisReaderCreate());
     state_ = State::handshaking;
-    // The handshake goes first, alone: a refused AUTH must not let any script run.
+    // The handshake goes first, alone: a refused AUTH must not let any script run. The scripts
+    // are not loaded here: the construction check loaded them all, and a server that lost them
+    // (restart, SCRIPT FLUSH) answers NOSCRIPT, which loads the one it names and sends the call again.
     Pipeline hello;
     add_auth(hello, opt_.user, opt_.password);
     if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
-    for (Script s : {Script::acquire, Script::complete, Script::fail, Script::extend, Script::inspect})
-      hello.add(Command().arg("SCRIPT").arg("LOAD").arg(script(s).source).format());
+    if (hello.size() == 0) {
+      state_ = State::ready;
+      write();
+      read();
+      return;
+    }
     std::string bytes;
     for (std::size_t i = 0; i < hello.size(); ++i) {
       auto op = std::make_unique<Internal>();
       op->internal = op->handshake = true;
-      op->what = "the connection handshake (AUTH/SELECT/SCRIPT LOAD)";
+      op->what = "the connection handshake (AUTH/SELECT)";
       op->deadline = Clock::now() + opt_.command_timeout;
       bytes += hello[i];
       inflight_.push_back(std::move(op));
