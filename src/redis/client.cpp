@@ -405,31 +405,40 @@ void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorH
       }
 }
 
+void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,
+                const std::string& where) {
+  const std::string effect =
+      s == Script::acquire || s == Script::acquire_batch || s == Script::acquire_each
+          ? "; the handler did not run: redeliver later (the key frees itself after the lease)"
+          : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds it "
+            "(or, if a failover lost it, runs again after the lease)";
+  if (is_error(wait))
+    throw store_error("idem: Redis refused WAIT after " + std::string(what) + ": " + std::string(reply_text(wait)) +
+                          "; min_replica_acks needs WAIT on a primary (the ACL user needs +wait)" + effect,
+                      std::string(error_code(reply_text(wait))), false);
+  const long long acks = wait->type == REDIS_REPLY_INTEGER ? wait->integer : -1;
+  if (acks < 0) throw_bad_reply("WAIT after " + std::string(what));
+  if (acks >= o.min_replica_acks) return;
+  throw durability_error("idem: " + std::string(what) + " was written on the Redis primary at " + where + " but " +
+                             std::to_string(acks) + " of the " + std::to_string(o.min_replica_acks) +
+                             " replica(s) asked for (min_replica_acks) acknowledged it within replica_ack_timeout (" +
+                             ms(o.replica_ack_timeout) + "): a failover now could lose it" + effect +
+                             ". If replicas are missing or lagging, see INFO replication on the primary",
+                         static_cast<int>(acks), o.min_replica_acks);
+}
+
 void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const ReplyPtr& wait) const {
   if (!wait) return;
   bool changed = false;
   for (std::size_t i = 0; i < n && !changed; ++i) changed = wrote(s, replies[i].get());
   if (!changed) return;  // a duplicate or in_flight answer: nothing a failover could lose
   const std::string what = std::string(script(s).name) + (n > 1 ? " (" + std::to_string(n) + " calls)" : "");
-  const std::string effect =
-      s == Script::acquire || s == Script::acquire_batch || s == Script::acquire_each
-          ? "; the handler did not run: redeliver later (the key frees itself after the lease)"
-          : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds it "
-            "(or, if a failover lost it, runs again after the lease)";
-  if (is_error(wait.get()))
-    throw store_error("idem: Redis refused WAIT after " + what + ": " + std::string(reply_text(wait.get())) +
-                          "; min_replica_acks needs WAIT on a primary (the ACL user needs +wait)" + effect,
-                      std::string(error_code(reply_text(wait.get()))), false);
-  const long long acks = wait->type == REDIS_REPLY_INTEGER ? wait->integer : -1;
-  if (acks < 0) throw_bad_reply("WAIT after " + what);
-  if (acks >= opt_.min_replica_acks) return;
-  suspect();
-  throw durability_error("idem: " + what + " was written on the Redis primary at " + where() + " but " +
-                             std::to_string(acks) + " of the " + std::to_string(opt_.min_replica_acks) +
-                             " replica(s) asked for (min_replica_acks) acknowledged it within replica_ack_timeout (" +
-                             ms(opt_.replica_ack_timeout) + "): a failover now could lose it" + effect +
-                             ". If replicas are missing or lagging, see INFO replication on the primary",
-                         static_cast<int>(acks), opt_.min_replica_acks);
+  try {
+    check_wait(wait.get(), s, what, opt_, where());
+  } catch (const durability_error&) {
+    suspect();  // too few replicas: the master may be changing
+    throw;
+  }
 }
 
 ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot) {

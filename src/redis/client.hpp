@@ -122,6 +122,11 @@ struct Link {
   // Nothing waiting to be read on an idle connection: the server has not closed it.
   bool idle() noexcept;
 };
+// min_replica_acks: after `what` (a run of script `s`) changed a record, the reply to the WAIT sent
+// with it must count o.min_replica_acks replicas: store_error when WAIT was refused, durability_error
+// when too few replicas acknowledged (`where` names the primary).
+void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,
+                const std::string& where);
 // AUTH [user] password onto `p`, when there is a password.
 void add_auth(Pipeline& p, const std::string& user, const std::string& password);
 // "host:port", "[v6]:port", or the socket path (port 0).

@@ -1,0 +1,89 @@
+#pragma once
+// Internal to idem_asio: AsyncRedisStore's one connection (connection.cpp) and the request it
+// carries (Op). The store (redis_store.cpp) formats requests and parses replies exactly as
+// RedisStore does; the connection only moves them: queued while a write is under way, written
+// together, replies matched in order, lost ones resent once as the same holder.
+
+#include <chrono>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include <boost/asio/any_io_executor.hpp>
+
+#include "client.hpp"
+#include "idem/asio/redis_store.hpp"
+#include "scripts.hpp"
+
+namespace idem::detail::asio_redis {
+
+using namespace idem::detail::redis;
+using Clock = std::chrono::steady_clock;
+
+// What f throws, as an exception_ptr (null when it returns).
+template <class F>
+std::exception_ptr capture(F&& f) noexcept {
+  try {
+    f();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+// One request: its bytes, what to do when its reply is lost, and what to do with the reply.
+struct Op {
+  virtual ~Op() = default;
+  // `reply` is null when `e` is set; a resent request's error reply is turned into
+  // outcome_unknown_error by the connection before this is called.
+  virtual void finish(std::exception_ptr e, ReplyPtr reply) noexcept = 0;
+
+  std::string bytes;
+  std::string what;           // "acquire of key 'k'", for messages
+  Script script = Script::acquire;
+  bool same_holder = true;    // a lost reply is asked again once as the same holder (not inspect)
+  bool internal = false;      // the connection's own (handshake, script reload): never a caller's
+  bool handshake = false;     // AUTH/SELECT/SCRIPT LOAD of a new connection: an error reply fails it
+  bool reloaded = false;      // sent again after NOSCRIPT once already
+  bool waits = false;         // a WAIT follows the script in `bytes` (min_replica_acks): two replies
+  ReplyPtr script_reply;      // with `waits`, the script's reply while the WAIT's is awaited
+  bool resent = false;        // this is the second sending
+  IoFailure first;            // why the first sending was lost
+  Clock::time_point deadline; // command_timeout from the write
+};
+
+template <class T>
+using DonePtr = std::unique_ptr<Done<T>>;
+
+template <class T, class Parse>
+struct Call final : Op {
+  Call(DonePtr<T> d, Parse p) : done(std::move(d)), parse(std::move(p)) {}
+  void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
+    if (!e) {
+      T value{};
+      e = capture([&] {
+        throw_if_error(reply.get(), store_hints, [&] { return what; });
+        value = parse(reply.get());
+      });
+      if (!e) {
+        done->complete(nullptr, std::move(value));
+        return;
+      }
+    }
+    done->complete(e, T{});
+  }
+  DonePtr<T> done;
+  Parse parse;
+};
+
+class Connection;
+
+// A connection to the server of `o` on a strand of `ex`; it connects on the first request.
+std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, const RedisOptions& o);
+// Queues `op` (any thread); its finish() runs on the connection's strand.
+void submit(Connection& c, std::unique_ptr<Op> op);
+// Fails every pending request and closes the socket (the store is going away).
+void shutdown(Connection& c);
+AsyncRedisStats stats(const Connection& c) noexcept;
+
+}  // namespace idem::detail::asio_redis
