@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abcdf] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcfg] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -15,14 +15,14 @@
 //   (b) RedisStore + a PostgreSQL transaction that INSERTs the event id into applied_events
 //       ON CONFLICT DO NOTHING and skips the update when it did nothing;
 //   (c) RedisStore + a plain autocommit UPDATE (one statement that also appends the effect row);
-//   (d) as (b), but each read (XREADGROUP / XAUTOCLAIM, up to 32 entries) goes through
+//   (f) as (b), on AsyncRedisStore's blocking calls: each consumer's records go through one
+//       multiplexed, pipelined connection (an io thread per consumer), killed and restarted alike;
+//   (g) as (b), but each read (XREADGROUP / XAUTOCLAIM, up to 32 entries) goes through
 //       IdempotencyGuard::run_batch (one acquisition round trip, each completion sent as its handler
 //       returns), with the heartbeat on (a read's last entry waits for the handlers before it);
-//   (e) as (c), through run_batch as (d): not in the default set (--setups e), it reports what
-//       batches do to the double effects of a non-idempotent effect;
-//   (f) as (b), on AsyncRedisStore's blocking calls: each consumer's records go through one
-//       multiplexed, pipelined connection (an io thread per consumer), killed and restarted alike.
-// Exit status 1 when (a), (b), (d) or (f) has a double effect, a lost message or a wrong balance, when
+//   (h) as (c), through run_batch as (g): not in the default set (--setups h), it reports what
+//       batches do to the double effects of a non-idempotent effect.
+// Exit status 1 when (a), (b), (f) or (g) has a double effect, a lost message or a wrong balance, when
 // any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
@@ -316,7 +316,7 @@ int worker_main(int argc, char** argv) {
   go.retention = 1h;
   go.failure.mode = idem::FailureMode::release;
   go.owner = consumer + ":" + std::to_string(::getpid());
-  go.heartbeat = setup == 'd' || setup == 'e';
+  go.heartbeat = setup == 'g' || setup == 'h';
 
   // Stores are created lazily and again after a failure to construct (the server may be down).
   std::optional<idem::PostgresStore> pgs;
@@ -476,7 +476,7 @@ int worker_main(int argc, char** argv) {
       try {
         auto res = redis_guard().run_batch(items, [&](const idem::BatchItem& item) {
           const Entry& e = *todo[static_cast<size_t>(&item - items.data())];
-          if (setup == 'e') apply_plain(e);
+          if (setup == 'h') apply_plain(e);
           else if (!apply_once(e)) stats.note('K');
         });
         for (size_t k = 0; k < todo.size(); ++k) {
@@ -516,7 +516,7 @@ int worker_main(int argc, char** argv) {
 
   auto process = [&](const std::vector<Entry>& entries) {
     std::vector<std::string> ack{"XACK", stream, kGroup};
-    if ((setup == 'd' || setup == 'e') && !g_stop) {
+    if ((setup == 'g' || setup == 'h') && !g_stop) {
       for (auto& id : handle_batch(entries)) ack.push_back(std::move(id));
     } else {
       for (const auto& e : entries) {
@@ -656,7 +656,7 @@ public:
       pg.exec("CREATE TABLE " + T + "_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
       pg.exec("INSERT INTO " + T + "_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
       pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
-      if (setup == 'b' || setup == 'd' || setup == 'f') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
+      if (setup == 'b' || setup == 'f' || setup == 'g') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
       if (setup == 'a') {
         idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
         s.migrate();
@@ -826,20 +826,22 @@ public:
     } catch (const std::exception&) {
     }
     const Counts c = read_stats(dir);
-    const char* names[] = {"", "PostgreSQL transactional mode (balance UPDATE through ctx.tx)",
+    const char* names[] = {"PostgreSQL transactional mode (balance UPDATE through ctx.tx)",
                            "RedisStore + PostgreSQL transaction with applied_events ON CONFLICT DO NOTHING",
                            "RedisStore + plain autocommit UPDATE",
+                           "(reserved)",
+                           "(reserved)",
+                           "AsyncRedisStore (one multiplexed connection per consumer) + PostgreSQL transaction "
+                           "with applied_events ON CONFLICT DO NOTHING",
                            "RedisStore + run_batch per read + PostgreSQL transaction with applied_events ON "
                            "CONFLICT DO NOTHING",
-                           "RedisStore + run_batch per read + plain autocommit UPDATE",
-                           "AsyncRedisStore (one multiplexed connection per consumer) + PostgreSQL transaction "
-                           "with applied_events ON CONFLICT DO NOTHING"};
+                           "RedisStore + run_batch per read + plain autocommit UPDATE"};
     std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
-                names[setup - 'a' + 1], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
+                names[setup - 'a'], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
     std::printf("(%c) deliveries: %lld\n", setup, c['D']);
     // A consumer killed right after its commit cannot count its run: the effects log is the truth.
     const std::string skipped =
-        setup == 'b' || setup == 'd' || setup == 'f' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
+        setup == 'b' || setup == 'f' || setup == 'g' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
     std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
                 effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
@@ -855,7 +857,7 @@ public:
     std::fflush(stdout);
     (void)republished;
 
-    if (setup == 'c' || setup == 'e')
+    if (setup == 'c' || setup == 'h')
       res.ok = res.finished && res.lost == 0 && res.unexplained == 0;
     else
       res.ok = res.finished && res.lost == 0 && res.doubles == 0 && res.bad_balances == 0 && res.unexplained == 0;
@@ -892,7 +894,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abcdf";
+  std::string setups = "abcfg";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -901,7 +903,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdf] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcfg] [--seed S]\n");
       return 2;
     }
   }
@@ -965,7 +967,7 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'f' || g_stop) continue;
+    if (s < 'a' || s > 'h' || s == 'd' || s == 'e' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
     const Result r = d.run(s, events, seed, bound);
     if (!r.ok) {
