@@ -23,7 +23,7 @@ namespace {
 
 redisContext* ctx = nullptr;
 std::vector<std::string> shas;  // per op, see ops
-const char* const ops[] = {"acquire", "complete", "fail", "extend", "inspect", "harness:roundtrip", "harness:complete"};
+const char* const ops[] = {"acquire", "complete", "fail", "extend", "inspect", "harness:roundtrip", "harness:complete", "harness:acquire"};
 constexpr int n_ops = 7;
 
 std::string slurp(const std::string& path) {
@@ -102,6 +102,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (name == "extend") args.insert(args.end(), {fence, token, "30000"});
   if (name == "harness:roundtrip") args.insert(args.end(), {"roundtrip", fence, token, ""});
   if (name == "harness:complete") args.insert(args.end(), {"complete", fence, token, data[1] & 2 ? "" : "result"});
+  // the fingerprint asked with: none, or the input's token bytes (equal to the record's when the fuzzer makes them so)
+  if (name == "harness:acquire") args.insert(args.end(), {"acquire", fence, token, data[1] & 2 ? "" : token});
   redisReply* r = command(args);
   if (r->type == REDIS_REPLY_ERROR) {
     const std::string e(r->str, r->len);

@@ -1,5 +1,5 @@
 -- harness.lua (tests/fuzz, appended to record.lua by fuzz_lua_record): the codec's own properties.
--- KEYS[1] holds the fuzzed record; ARGV: op, fence, token, result.
+-- KEYS[1] holds the fuzzed record; ARGV: op, fence, token, result (op acquire: the fingerprint).
 -- Reply: 'ok', or an error 'HARNESS ...' when a property fails (the fuzz target aborts on it).
 -- Any error the codec raises must be IDEMCORRUPT: the client maps that to corrupt_record_error.
 local op, fence, token, result = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -61,6 +61,25 @@ if op == 'complete' then
   end
   if w ~= want_w then error({err = 'HARNESS complete answered ' .. tostring(w) .. ', the decoded record says ' .. want_w}) end
   if got ~= want then error({err = 'HARNESS complete wrote other bytes than decode + encode'}) end
+  return 'ok'
+end
+
+if op == 'acquire' then
+  -- acquire_key's fast path for completed records must answer what its decoding path answers
+  local fp = result
+  local okf, c = pcall(completed_reply, s, fp)
+  if not okf then error({err = 'HARNESS completed_reply raised an error: ' .. tostring(c)}) end
+  if c == nil then return 'ok' end
+  if not okd then error({err = 'HARNESS completed_reply answered for a record decode refuses'}) end
+  local want
+  if fp ~= '' and r.fp ~= '' and r.fp ~= fp then want = {5, r.gen}
+  elseif r.st ~= 2 then error({err = 'HARNESS completed_reply answered for a record in state ' .. r.st})
+  elseif r.perm then want = {6, r.gen, r.pay}
+  else want = {3, r.gen, r.pay} end
+  if #c ~= #want then error({err = 'HARNESS completed_reply answered ' .. #c .. ' fields, decode says ' .. #want}) end
+  for i = 1, #want do
+    if c[i] ~= want[i] then error({err = 'HARNESS completed_reply field ' .. i .. ' differs from decode'}) end
+  end
   return 'ok'
 end
 return 'ok'

@@ -143,6 +143,53 @@ end
 -- Retention `ret` stays the decimal string the client sent: SET takes it as is, math.max reads it
 -- as a number, and no number is formatted back to text on the hot path.
 
+-- The reply to an acquire of a completed record (a duplicate: the common answer under redelivery),
+-- read without decode: no record table, no TIME. Takes a completed record as encode writes it
+-- (generation in 1, 2 or 4 bytes) checked to its last byte; answers what acquire_key's decoding
+-- path answers for it ({3 | 6, generation, payload}, or {5, generation} on a fingerprint mismatch),
+-- and nil for anything else, which then goes through decode (IDEMCORRUPT for a damaged record).
+-- The fuzz harness (tests/fuzz/harness.lua) holds it to decode's answer on arbitrary bytes.
+local function completed_reply(s, fp)
+  local n = #s
+  local h = string.byte(s, 1)
+  -- v1 (h >= 128), state 2 (h % 4), not the 8-byte generation (8 and 64 both set)
+  if n < 10 or h < 128 or h % 4 ~= 2 or (h % 16 >= 8 and h >= 192) then return nil end
+  local gen, q
+  if h < 192 and h % 16 < 8 then
+    gen, q = string.byte(s, 2), 11
+  elseif h < 192 then
+    local a, b = string.byte(s, 2, 3)
+    gen, q = a * 256 + b, 12
+  else
+    if n < 13 then return nil end
+    local a, b, c, d = string.byte(s, 2, 5)
+    gen, q = ((a * 256 + b) * 256 + c) * 256 + d, 14
+  end
+  if gen < 1 then return nil end
+  -- q: the first byte after the token
+  local mismatch = false
+  if h % 32 >= 16 then -- fingerprint section
+    if q + 1 > n then return nil end
+    local a, b = string.byte(s, q, q + 1)
+    local e = q + 2 + a * 256 + b
+    if e > n + 1 then return nil end
+    mismatch = fp ~= '' and e > q + 2 and string.sub(s, q + 2, e - 1) ~= fp
+    q = e
+  end
+  local pay = ''
+  if h % 64 >= 32 then -- payload section, to the last byte
+    if q + 3 > n then return nil end
+    local a, b, c, d = string.byte(s, q, q + 3)
+    if q + 4 + ((a * 256 + b) * 256 + c) * 256 + d ~= n + 1 then return nil end
+    pay = string.sub(s, q + 4)
+  elseif q ~= n + 1 then
+    return nil
+  end
+  if mismatch then return {5, gen} end
+  if h % 8 >= 4 then return {6, gen, pay} end
+  return {3, gen, pay}
+end
+
 -- Acquire of one key (docs/design.md, section 1). Reply: {1 acquired, fence, takeover 0/1}
 -- | {2 in_flight, attempts, retry_after ms} | {3 duplicate, attempts, result}
 -- | {4 previously_failed, attempts, error} | {5 mismatch, attempts}
@@ -156,10 +203,15 @@ end
 local function acquire_key(key, token, lease, ret, fp, owner, now, fresh, acquired)
   local raw = redis.call('GET', key)
   if not raw then
-    redis.call('SET', key, fresh or encode({st = 1, gen = 1, tok = token, lease = now + lease, owner = owner,
-                                            fp = fp, pay = ''}), 'PX', ret)
+    if not fresh then
+      now = now or now_ms()
+      fresh = encode({st = 1, gen = 1, tok = token, lease = now + lease, owner = owner, fp = fp, pay = ''})
+    end
+    redis.call('SET', key, fresh, 'PX', ret)
     return acquired or {1, 1, 0}
   end
+  local c = completed_reply(raw, fp)
+  if c then return c end
   local r = decode(raw)
   if fp ~= '' and r.fp ~= '' and r.fp ~= fp then return {5, r.gen} end
   local takeover, gen = 0, r.gen + 1
@@ -167,6 +219,7 @@ local function acquire_key(key, token, lease, ret, fp, owner, now, fresh, acquir
     if r.perm then return {6, r.gen, r.pay} end
     return {3, r.gen, r.pay}
   end
+  now = now or now_ms()
   if r.st == 1 then
     if r.tok == token then gen = r.gen
     elseif r.lease > now then return {2, r.gen, r.lease - now}
