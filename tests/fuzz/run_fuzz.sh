@@ -1,12 +1,12 @@
 #!/bin/sh
 # run_fuzz.sh BINARY [SECONDS] — runs one libFuzzer target of tests/fuzz for SECONDS (default:
-# $IDEM_FUZZ_SECONDS, else 25) from its corpus in tests/fuzz/corpus/<target> (read only: new
+# $IDEM_FUZZ_SECONDS, else 12) from its corpus in tests/fuzz/corpus/<target> (read only: new
 # inputs go to a scratch corpus beside the binary) and prints the executions. A crash leaves its
 # input as <binary dir>/artifacts/<target>-crash-*: add it to the corpus once fixed.
 # fuzz_lua_record gets a redis-server of its own on a unix socket, stopped by its PID after.
 set -u
 bin=$1
-secs=${2:-${IDEM_FUZZ_SECONDS:-25}}
+secs=${2:-${IDEM_FUZZ_SECONDS:-12}}
 name=$(basename "$bin")
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(cd "$(dirname "$bin")" && pwd)/work-$name
