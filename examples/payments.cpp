@@ -10,17 +10,23 @@
 //   * PostgresSequenceStore + idem::run_sequenced: the account's sequence advances in that same
 //     transaction. Payments are deltas, so the sequence is *contiguous*: event n runs only after
 //     n-1 committed (an early event is requeued), and an event at or below the applied sequence
-//     (a duplicate) is acked as stale without running.
+//     (a duplicate) is acked as stale without running;
+//   * the transactional outbox (docs/outbox.md): the handler also sends a "balance changed" event
+//     with ctx.outbox().send(...), written in the same transaction, so it exists if and only if
+//     the payment committed; an idem::OutboxRelay on a thread publishes it (to a Redis Stream with
+//     --redis, else to an in-process publisher that stands in for your broker), with a stable id
+//     that downstream consumers deduplicate on.
 //
 // Expected result, checked exactly at the end: every account's balance equals the balance_after of
 // its last event (= the sum of its credits minus its debits), its ledger holds each of its events
 // once, and its applied sequence is its last event's. The handler also checks, inside the
 // transaction, that the balance it produces equals the event's balance_after, which proves the
-// events of each account were applied in order.
+// events of each account were applied in order. Every event's "balance changed" message is
+// published (at least once, one id per event), in the account's order.
 //
 //   idem_payments --conninfo "host=127.0.0.1 port=5432 dbname=postgres" [--conninfo-file PATH]
 //                 [--accounts 20] [--events 20] [--workers 4] [--duplicate-percent 20] [--seed 0]
-//                 [--schema payments_example]
+//                 [--schema payments_example] [--redis redis://127.0.0.1:6379]
 //
 // The schema is dropped and recreated at start (it is the example's own). Exit status 0 = every
 // check passed.
@@ -38,6 +44,7 @@
 #include <mutex>
 #include <queue>
 #include <random>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -46,6 +53,7 @@
 #include <libpq-fe.h>
 
 #include "idem/idem.hpp"
+#include "idem/outbox/outbox.hpp"
 #include "idem/postgres.hpp"
 
 using namespace std::chrono_literals;
@@ -142,8 +150,29 @@ private:
 
 // ---- command line ---------------------------------------------------------------------------
 
+// ---- a stand-in broker for the outbox (replace with RedisStreamsPublisher, Kafka, RabbitMQ) -----
+
+// Keeps what it is given, in order. A real publisher returns once the broker acknowledged the batch.
+class MemoryPublisher final : public idem::OutboxPublisher {
+public:
+  void publish(std::span<const idem::OutboxMessage> batch) override {
+    std::lock_guard lock(mu_);
+    for (const auto& m : batch) got_.push_back(m);
+  }
+  [[nodiscard]] std::string name() const override { return "memory"; }
+  std::vector<idem::OutboxMessage> messages() {
+    std::lock_guard lock(mu_);
+    return got_;
+  }
+
+private:
+  std::mutex mu_;
+  std::vector<idem::OutboxMessage> got_;
+};
+
 struct Args {
   std::string conninfo;
+  std::string redis;  // empty: the in-process publisher
   std::string schema = "payments_example";
   int accounts = 20, events = 20, workers = 4, duplicate_percent = 20;
   std::uint64_t seed = 0;
@@ -152,7 +181,7 @@ struct Args {
 [[noreturn]] void usage(const char* why) {
   std::fprintf(stderr,
                "idem_payments: %s\nusage: idem_payments --conninfo STR | --conninfo-file PATH [--accounts N] "
-               "[--events N] [--workers N] [--duplicate-percent P] [--seed S] [--schema NAME]\n",
+               "[--events N] [--workers N] [--duplicate-percent P] [--seed S] [--schema NAME] [--redis URL]\n",
                why);
   std::exit(2);
 }
@@ -185,6 +214,8 @@ Args parse(int argc, char** argv) {
       a.seed = std::strtoull(v.c_str(), nullptr, 10);
     } else if (k == "--schema") {
       a.schema = v;
+    } else if (k == "--redis") {
+      a.redis = v;
     } else {
       usage(("unknown option " + k).c_str());
     }
@@ -244,7 +275,8 @@ int main(int argc, char** argv) try {
   // use migrates on another); lock_timeout is how long a redelivery waits for a live holder's
   // row before answering in_flight; lease = how long a stuck transaction may hold an event.
   idem::PostgresStore store{{.conninfo = args.conninfo, .pool = {.size = static_cast<std::size_t>(args.workers) + 2}},
-                            {.schema = S, .table = "idem_records", .mode = idem::PostgresMode::transactional}};
+                            {.schema = S, .table = "idem_records", .mode = idem::PostgresMode::transactional,
+                             .outbox = true}};  // migrate() also creates idem_records_outbox
   // The sequence store shares the store's client: one pool, the same server by construction.
   idem::PostgresSequenceStore seqs{store, {.schema = S, .table = "account_sequences"}};
   // release: a failed handler frees the event for its redelivery (nothing of it committed).
@@ -299,6 +331,13 @@ int main(int argc, char** argv) try {
                                        ", expected " + std::to_string(ev.balance_after));
               ctx.tx->exec("INSERT INTO " + S + ".ledger (event_id, account, seq, amount) VALUES ($1, $2, $3, $4)",
                            ev.event_id, ev.account, ev.seq, delta(ev));
+              // The event for the rest of the system, keyed by account (published in account order).
+              // Written in this transaction: it exists iff the payment committed; its id is stable
+              // across re-runs, so downstream consumers deduplicate on it.
+              ctx.outbox().send("payments.balance_changed", ev.account,
+                                "{\"event\":\"" + ev.event_id + "\",\"account\":\"" + ev.account +
+                                    "\",\"seq\":" + std::to_string(ev.seq) + ",\"balance\":" + std::to_string(balance) + "}",
+                                {{"type", "BalanceChanged"}});
               return balance;  // recorded; a duplicate replays it
             });
         // Outcome -> broker action.
@@ -340,11 +379,26 @@ int main(int argc, char** argv) try {
     }
   };
 
+  // ---- the outbox relay: its own thread here; or the idem-outbox-relay program -----------------
+  MemoryPublisher memory;
+  std::unique_ptr<idem::OutboxPublisher> redis_pub;
+  if (!args.redis.empty())
+    redis_pub = std::make_unique<idem::RedisStreamsPublisher>(idem::RedisStreamsPublisherOptions{.redis = {.url = args.redis}});
+  // TUNE: batch (rows per publish), poll_interval (the fallback when a NOTIFY is missed),
+  // retention (how long sent rows stay for inspection).
+  idem::OutboxRelay relay{redis_pub ? *redis_pub : static_cast<idem::OutboxPublisher&>(memory),
+                          {.postgres = {.conninfo = args.conninfo}, .schema = S, .table = "idem_records"}};
+  relay.start();
+
   const auto started = Clock::now();
   std::vector<std::thread> pool;
   for (int i = 0; i < args.workers; ++i) pool.emplace_back(worker);
   for (auto& t : pool) t.join();
   const double secs = std::chrono::duration<double>(Clock::now() - started).count();
+  // Drain what is left, then stop the relay (a service keeps it running).
+  relay.stop();
+  while (relay.run_once() > 0) {
+  }
 
   // ---- check every balance exactly -------------------------------------------------------------
   std::map<std::string, const PaymentEvent*> last_of;
@@ -387,8 +441,32 @@ int main(int argc, char** argv) try {
               events.size(), deliveries.load(), executed.load(), duplicates.load(), stale.load(), gaps.load(),
               in_flight.load(), retried.load(), dead.load(), secs);
   std::printf("double effects: %ld\nlost messages: %ld\n", double_effects, lost);
+
+  // ---- the outbox: every event's message published, in each account's order ------------------
+  bool outbox_ok = true;
+  const auto st = relay.stats();
+  if (!redis_pub) {
+    const auto published = memory.messages();
+    std::map<std::string, long> per_id;
+    std::map<std::string, std::uint64_t> last_seq;
+    for (const auto& m : published) {
+      if (++per_id[m.id] > 1) continue;  // at least once: a repeat carries the same id
+      const auto at = m.payload.find("\"seq\":");
+      const std::uint64_t seq = std::stoull(m.payload.substr(at + 6));
+      if (seq <= last_seq[m.message_key]) outbox_ok = false;  // out of the account's order
+      last_seq[m.message_key] = seq;
+    }
+    outbox_ok = outbox_ok && per_id.size() == events.size();
+    std::printf("outbox: %zu messages published (%llu batches), %zu distinct ids, per-account order %s\n",
+                published.size(), static_cast<unsigned long long>(st.batches), per_id.size(),
+                outbox_ok ? "kept" : "BROKEN");
+  } else {
+    outbox_ok = st.published >= events.size();
+    std::printf("outbox: %llu messages published to the Redis stream payments.balance_changed (%llu batches)\n",
+                static_cast<unsigned long long>(st.published), static_cast<unsigned long long>(st.batches));
+  }
   const bool pass = wrong == 0 && dead == 0 && !timed_out && executed == static_cast<long>(events.size()) &&
-                    ledger_rows == static_cast<long>(events.size());
+                    ledger_rows == static_cast<long>(events.size()) && outbox_ok;
   std::printf("%s: %d account(s) wrong\n", pass ? "PASS" : "FAIL", wrong);
   return pass ? 0 : 1;
 } catch (const std::exception& e) {

@@ -79,6 +79,14 @@ void StoreImpl::migrate_on(PGconn* c) {
                               ") ON CONFLICT (table_name) DO UPDATE SET version = " + version + ", installed_at = now()";
       exec_checked(c, ins, opt.table, "migrate (write version)");
     }
+    // The outbox is versioned apart (its script is idempotent): a store turns it on at any time.
+    if (opt.outbox) {
+      std::string sql = pg_outbox_v1_sql;
+      replace_all(sql, "@S@", qs);
+      replace_all(sql, "@O@", quote_ident(opt.table + "_outbox"));
+      replace_all(sql, "@P@", opt.table + "_outbox");
+      exec_simple(c, sql.c_str(), "migrate (outbox)", store_missing);
+    }
     exec_simple(c, "COMMIT", "migrate (commit)", store_missing);
   } catch (...) {
     PQclear(PQexec(c, "ROLLBACK"));

@@ -20,6 +20,7 @@ namespace idem::detail {
 
 extern const char* const pg_schema_v1_sql;  // generated from schema_v1.sql at build time
 extern const char* const pg_schema_v2_sql;  // generated from schema_v2.sql at build time
+extern const char* const pg_outbox_v1_sql;  // generated from outbox_v1.sql at build time
 
 inline constexpr MissingSchemaHint store_missing{
     "; the idem schema is missing: call PostgresStore::migrate() or set auto_migrate", true};

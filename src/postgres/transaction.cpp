@@ -125,6 +125,7 @@ PostgresStore::Transaction& PostgresStore::Transaction::operator=(Transaction&& 
     key_ = std::move(o.key_);
     fingerprint_ = std::move(o.fingerprint_);
     owner_ = std::move(o.owner_);
+    outbox_sent_ = o.outbox_sent_;
   }
   return *this;
 }

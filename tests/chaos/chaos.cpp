@@ -15,6 +15,15 @@
 //   (b) RedisStore + a PostgreSQL transaction that INSERTs the event id into applied_events
 //       ON CONFLICT DO NOTHING and skips the update when it did nothing;
 //   (c) RedisStore + a plain autocommit UPDATE (one statement that also appends the effect row);
+//   (d) TieredStore: a second redis-server WITHOUT persistence answers duplicates, PostgreSQL
+//       transactional mode is the truth (balance UPDATE + effects INSERT through ctx.tx); that
+//       Redis is SIGKILLed and restarted empty several times per run (IDEM_CHAOS_FAST_PORT);
+//   (e) as (a), and the handler also sends a "balance changed" message through the transactional
+//       outbox (ctx.outbox().send); two `relay` processes (OutboxRelay + RedisStreamsPublisher)
+//       publish it to the stream chaos:e:out, read by two downstream consumers (RedisStore keyed on
+//       the outbox id + applied_events ON CONFLICT DO NOTHING); relays and downstream consumers
+//       are SIGKILLed and restarted too. Counted: each event's effect downstream (double 0, lost 0).
+//       Half the events of the other setups (eight processes, two hops);
 //   (f) as (b), on AsyncRedisStore's blocking calls: each consumer's records go through one
 //       multiplexed, pipelined connection (an io thread per consumer), killed and restarted alike;
 //   (g) as (b), but each read (XREADGROUP / XAUTOCLAIM, up to 32 entries) goes through
@@ -63,6 +72,8 @@
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
 #include "idem/redis.hpp"
+#include "idem/tiered.hpp"
+#include "idem/outbox/outbox.hpp"
 #include "redis_server.hpp"
 
 #ifndef IDEM_PG_CLUSTER_SCRIPT
@@ -256,6 +267,10 @@ std::vector<Entry> parse_entries(const redisReply* list) {
         if (name == "e") en.event = val;
         else if (name == "a") en.account = val;
         else if (name == "m") en.amount = val;
+        // (e): an outbox message as RedisStreamsPublisher writes it: its id is the idempotency key.
+        else if (name == "id") en.event = val;
+        else if (name == "key") en.account = val;
+        else if (name == "payload") en.amount = val;
       }
     out.push_back(std::move(en));
   }
@@ -304,8 +319,10 @@ int worker_main(int argc, char** argv) {
   const std::string conninfo = argv[4];
   const std::string consumer = argv[5];
   Stats stats(argv[6]);
-  const std::string stream = std::string("chaos:") + setup;
-  const std::string T(1, setup);  // table prefix
+  // (e): consumers named down-N are the downstream consumer of the outbox's stream.
+  const bool downstream = setup == 'e' && consumer.rfind("down-", 0) == 0;
+  const std::string stream = downstream ? std::string("chaos:e:out") : std::string("chaos:") + setup;
+  const std::string T = downstream ? std::string("ed") : std::string(1, setup);  // table prefix
   std::signal(SIGTERM, on_signal);
 
   const auto hard_stop = Clock::now() + 30min;  // bounded even if the driver vanished
@@ -337,6 +354,10 @@ int worker_main(int argc, char** argv) {
   } join_io{io, io_thread};
   std::optional<idem::AsyncRedisStore> as;
   std::optional<idem::IdempotencyGuard<idem::AsyncRedisStore>> aguard;
+  // (d): the tiered store over the fast Redis (no persistence) and PostgreSQL transactional mode.
+  std::optional<idem::PostgresStore> dpg;
+  std::optional<idem::TieredStore> ts;
+  std::optional<idem::IdempotencyGuard<idem::TieredStore>> tguard;
   Pg biz(conninfo);
 
   auto redis_guard = [&]() -> idem::IdempotencyGuard<idem::RedisStore>& {
@@ -372,6 +393,9 @@ int worker_main(int argc, char** argv) {
     rs.reset();
     aguard.reset();
     as.reset();
+    tguard.reset();
+    ts.reset();
+    dpg.reset();
   };
 
   // (b) and (d): the business transaction records the event id (ON CONFLICT DO NOTHING) and skips
@@ -412,13 +436,54 @@ int worker_main(int argc, char** argv) {
       });
       return out.status;
     }
+    if (setup == 'd') {
+      if (!ts) {
+        const char* fast_port = std::getenv("IDEM_CHAOS_FAST_PORT");
+        idem::RedisOptions ro;
+        ro.port = fast_port ? std::atoi(fast_port) : 0;
+        ro.pool.size = 2;
+        ro.connect_timeout = idem::millis{300};
+        ro.command_timeout = idem::millis{1000};
+        dpg.emplace(idem::PostgresOptions{.conninfo = conninfo, .pool = {.size = 2, .wait = idem::millis{3000}},
+                                          .statement_timeout = idem::millis{5000}},
+                    idem::PostgresStoreOptions{.table = "records_d", .mode = idem::PostgresMode::transactional});
+        ts.emplace(std::move(ro), *dpg, idem::TieredStoreOptions{.fast_retry_after = idem::millis{200}});
+        tguard.emplace(*ts, go);
+      }
+      // 'P': a duplicate PostgreSQL answered (Redis had lost the record, or was down): the rest of
+      // the duplicates took no PostgreSQL round trip.
+      const auto truth_before = ts->stats().truth_duplicates;
+      auto out = tguard->run(e.event, payload, [&](const idem::IdempotencyGuard<idem::TieredStore>::context_type& ctx) {
+        ctx.tx->exec("UPDATE d_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount, e.account);
+        ctx.tx->exec("INSERT INTO d_effects(event_id) VALUES ($1)", e.event);
+      });
+      if (out.status == idem::Status::duplicate && ts->stats().truth_duplicates != truth_before) stats.note('P');
+      return out.status;
+    }
+    if (setup == 'e' && !downstream) {
+      if (!pgs) {
+        pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .pool = {.size = 2, .wait = idem::millis{3000}},
+                                          .statement_timeout = idem::millis{5000}},
+                    idem::PostgresStoreOptions{.table = "records_e", .mode = idem::PostgresMode::transactional,
+                                               .outbox = true});
+        pguard.emplace(*pgs, go);
+      }
+      // The message is written after the account's UPDATE, whose row lock orders the handlers of
+      // one account: outbox order per account is commit order.
+      auto out = pguard->run(e.event, payload, [&](const idem::BasicContext<idem::PostgresStore::Transaction>& ctx) {
+        ctx.tx->exec("UPDATE e_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount, e.account);
+        ctx.tx->exec("INSERT INTO e_effects(event_id) VALUES ($1)", e.event);
+        ctx.outbox().send("chaos:e:out", e.account, e.amount, {{"type", "balance-changed"}});
+      });
+      return out.status;
+    }
     if (setup == 'f') {
       bool skipped = false;
       auto out = async_guard().run(e.event, payload, [&] { skipped = !apply_once(e); });
       if (skipped) stats.note('K');
       return out.status;
     }
-    if (setup == 'b') {
+    if (setup == 'b' || downstream) {
       bool skipped = false;
       auto out = redis_guard().run(e.event, payload, [&] { skipped = !apply_once(e); });
       if (skipped) stats.note('K');
@@ -575,6 +640,36 @@ int worker_main(int argc, char** argv) {
   return 0;
 }
 
+// (e): one outbox relay process, draining idem.records_e_outbox into the stream chaos:e:out until
+// SIGTERM (or SIGKILL: its batch then rolls back and is published again by a relay).
+int relay_main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: idem_chaos relay REDIS_PORT CONNINFO\n");
+    return 2;
+  }
+  std::signal(SIGTERM, on_signal);
+  idem::RedisOptions ro;
+  ro.port = std::atoi(argv[2]);
+  ro.connect_timeout = idem::millis{1000};
+  ro.command_timeout = idem::millis{2000};
+  idem::OutboxRelayOptions o;
+  o.postgres.conninfo = argv[3];
+  o.postgres.statement_timeout = idem::millis{5000};
+  o.table = "records_e";
+  o.batch = 64;
+  o.poll_interval = idem::millis{200};
+  o.backoff_initial = idem::millis{20};
+  o.backoff_max = idem::millis{500};
+  o.claim_idle_timeout = idem::millis{5000};
+  o.migrate = false;  // the driver migrated
+  idem::OutboxRelay relay{std::make_unique<idem::RedisStreamsPublisher>(idem::RedisStreamsPublisherOptions{.redis = ro}), o};
+  relay.start();
+  const auto hard_stop = Clock::now() + 30min;  // bounded even if the driver vanished
+  while (!g_stop && Clock::now() < hard_stop) std::this_thread::sleep_for(50ms);
+  relay.stop();
+  return 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The driver.
 
@@ -661,10 +756,36 @@ public:
         idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
         s.migrate();
       }
+      if (setup == 'd') {
+        idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_d", .mode = idem::PostgresMode::transactional});
+        s.migrate();
+        pg.exec("TRUNCATE idem.records_d");
+      }
+      if (setup == 'e') {  // the downstream consumer's tables, and the upstream store with its outbox
+        pg.exec("DROP TABLE IF EXISTS ed_accounts, ed_effects, ed_applied");
+        pg.exec("CREATE TABLE ed_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
+        pg.exec("INSERT INTO ed_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
+        pg.exec("CREATE TABLE ed_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
+        pg.exec("CREATE TABLE ed_applied (event_id text PRIMARY KEY)");
+        idem::PostgresStore s({.conninfo = conninfo_},
+                              {.table = "records_e", .mode = idem::PostgresMode::transactional, .outbox = true});
+        s.migrate();
+      }
     }
+    // (d): the tiered store's fast tier, a redis-server without persistence of its own.
+    std::optional<idem::test::RedisServer> fast;
+    if (setup == 'd') {
+      fast.emplace();
+      ::setenv("IDEM_CHAOS_FAST_PORT", std::to_string(fast->port()).c_str(), 1);
+    }
+    long long fast_kills = 0;
     Redis r(redis_.port());
     r.cmd({"DEL", stream, stream + ":dlq"});
     r.cmd({"XGROUP", "CREATE", stream, kGroup, "0", "MKSTREAM"});
+    if (setup == 'e') {
+      r.cmd({"DEL", "chaos:e:out"});
+      r.cmd({"XGROUP", "CREATE", "chaos:e:out", kGroup, "0", "MKSTREAM"});
+    }
 
     // The events: unique ids, ~20% published twice, shuffled.
     std::mt19937_64 rng(seed ^ static_cast<std::uint64_t>(setup));
@@ -696,6 +817,21 @@ public:
       }
     };
     for (int i = 0; i < kConsumers; ++i) spawn(i);
+    // (e): slots 0-1 are outbox relays, 2-3 downstream consumers; killed and restarted like the rest.
+    std::vector<pid_t> epids;
+    long long relay_kills = 0, downstream_kills = 0;
+    auto spawn_e = [&](size_t slot) {
+      const std::string ci = conninfo_ + " connect_timeout=2";
+      epids[slot] = idem::test::spawn(
+          slot < 2 ? std::vector<std::string>{exe_, "relay", std::to_string(redis_.port()), ci}
+                   : std::vector<std::string>{exe_, "worker", T, std::to_string(redis_.port()), ci,
+                                              "down-" + std::to_string(slot), dir + "/down-stats-" + std::to_string(++incarnation)},
+          log_fd_);
+    };
+    if (setup == 'e') {
+      epids.assign(4, -1);
+      for (size_t i = 0; i < epids.size(); ++i) spawn_e(i);
+    }
 
     const auto t0 = Clock::now();
     const auto deadline = t0 + bound;
@@ -736,7 +872,22 @@ public:
           spawn(i);
         }
       }
+      for (size_t i = 0; i < epids.size(); ++i) {
+        int st = 0;
+        if (::waitpid(epids[i], &st, WNOHANG) == epids[i]) {
+          ++unexpected_exits;
+          spawn_e(i);
+        }
+      }
       // Killer.
+      if (now >= next_kill && !epids.empty() && rng() % 2 == 0) {  // (e): a relay or a downstream consumer
+        const size_t slot = static_cast<size_t>(rng() % epids.size());
+        ::kill(epids[slot], SIGKILL);
+        reap(epids[slot]);
+        ++(slot < 2 ? relay_kills : downstream_kills);
+        spawn_e(slot);
+        next_kill = now + std::chrono::milliseconds(kill_gap(rng));
+      }
       if (now >= next_kill) {
         const int slot = static_cast<int>(rng() % kConsumers);
         ::kill(pids[static_cast<size_t>(slot)], SIGKILL);
@@ -757,6 +908,16 @@ public:
         std::fprintf(stderr, "[%c] redis-server SIGKILLed and restarted (AOF) at %.1f s\n", setup,
                      std::chrono::duration<double>(Clock::now() - t0).count());
       }
+      // (d): the fast tier dies at 15%, 45% and 80% and comes back empty after 400 ms (its records
+      // are lost; PostgreSQL answers until Redis is repaired).
+      if (fast && fast_kills < 3 && progress * 100 >= planned * 2 * (fast_kills == 0 ? 15 : fast_kills == 1 ? 45 : 80)) {
+        ++fast_kills;
+        fast->stop(SIGKILL);
+        std::this_thread::sleep_for(400ms);
+        fast->start();
+        std::fprintf(stderr, "[%c] fast-tier redis-server (no persistence) SIGKILLed and restarted empty at %.1f s\n",
+                     setup, std::chrono::duration<double>(Clock::now() - t0).count());
+      }
       if (redis_restarted && !pg_restarted && progress * 100 >= planned * 65 * 2) {
         pg_restarted = true;
         const auto p0 = Clock::now();
@@ -770,7 +931,11 @@ public:
       if (published == order.size() && pg_restarted && now - last_check > 250ms) {
         last_check = now;
         try {
-          if (drained(r, stream)) {
+          // (e): and every outbox row sent, every message of chaos:e:out delivered and acked.
+          if (drained(r, stream) &&
+              (setup != 'e' || (Pg(conninfo_).exec("SELECT 1 FROM idem.records_e_outbox WHERE sent_at IS NULL LIMIT 1")
+                                        .rows() == 0 &&
+                                drained(r, "chaos:e:out")))) {
             res.finished = true;
             break;
           }
@@ -779,6 +944,7 @@ public:
       }
     }
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    pids.insert(pids.end(), epids.begin(), epids.end());  // (e): relays and downstream consumers
     for (pid_t p : pids) ::kill(p, SIGTERM);
     const auto grace = Clock::now() + 3s;
     for (pid_t p : pids) {
@@ -800,6 +966,25 @@ public:
       auto rows = pg.exec("SELECT event_id, count(*) FROM " + T + "_effects GROUP BY event_id");
       for (int i = 0; i < rows.rows(); ++i) applied[std::string(rows.get(i, 0))] = std::atoll(std::string(rows.get(i, 1)).c_str());
     }
+    // (e): the upstream effects are counted apart; the verdict is on the downstream consumer's,
+    // found by the outbox id each event's message got (its handler's first send).
+    long long up_doubles = 0, up_lost = 0;
+    if (setup == 'e') {
+      for (const auto& e : events) {
+        auto it = applied.find(e.id);
+        const long long n = it == applied.end() ? 0 : it->second;
+        if (n == 0) ++up_lost;
+        if (n > 1) up_doubles += n - 1;
+      }
+      std::unordered_map<std::string, long long> down;
+      auto rows = pg.exec("SELECT event_id, count(*) FROM ed_effects GROUP BY event_id");
+      for (int i = 0; i < rows.rows(); ++i) down[std::string(rows.get(i, 0))] = std::atoll(std::string(rows.get(i, 1)).c_str());
+      applied.clear();
+      for (const auto& e : events) {
+        auto it = down.find(idem::outbox_message_id("idem.records_e", e.id, 0));
+        if (it != down.end()) applied[e.id] = it->second;
+      }
+    }
     std::vector<long long> expected(kAccounts, 0), explained(kAccounts, 0);
     long long effects_total = 0;
     for (const auto& e : events) {
@@ -812,7 +997,7 @@ public:
       if (n > 1) res.doubles += n - 1;
     }
     {
-      auto rows = pg.exec("SELECT id, balance FROM " + T + "_accounts ORDER BY id");
+      auto rows = pg.exec("SELECT id, balance FROM " + (setup == 'e' ? std::string("ed") : T) + "_accounts ORDER BY id");
       for (int i = 0; i < rows.rows(); ++i) {
         const auto id = static_cast<size_t>(std::atoi(std::string(rows.get(i, 0)).c_str()));
         const long long bal = std::atoll(std::string(rows.get(i, 1)).c_str());
@@ -829,8 +1014,10 @@ public:
     const char* names[] = {"PostgreSQL transactional mode (balance UPDATE through ctx.tx)",
                            "RedisStore + PostgreSQL transaction with applied_events ON CONFLICT DO NOTHING",
                            "RedisStore + plain autocommit UPDATE",
-                           "(reserved)",
-                           "(reserved)",
+                           "TieredStore: Redis without persistence answers duplicates, PostgreSQL transactional mode "
+                           "is the truth (balance UPDATE through ctx.tx)",
+                           "PostgreSQL transactional mode + transactional outbox -> relays -> Redis Stream -> downstream "
+                           "idem consumer (counted downstream)",
                            "AsyncRedisStore (one multiplexed connection per consumer) + PostgreSQL transaction "
                            "with applied_events ON CONFLICT DO NOTHING",
                            "RedisStore + run_batch per read + PostgreSQL transaction with applied_events ON "
@@ -845,11 +1032,20 @@ public:
     std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
                 effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
+    if (setup == 'd')
+      std::printf("(d) duplicates answered by Redis alone (no PostgreSQL round trip): %lld of %lld (%.1f%%); by "
+                  "PostgreSQL: %lld; fast-tier Redis kills (restarted empty): %lld\n",
+                  c['U'] - c['P'], c['U'], c['U'] > 0 ? 100.0 * static_cast<double>(c['U'] - c['P']) / static_cast<double>(c['U']) : 0.0,
+                  c['P'], fast_kills);
     std::printf("(%c) stale skipped: %lld\n", setup, c['S']);
     std::printf("(%c) in-flight left for redelivery: %lld, lease lost: %lld, dead-lettered: %lld, store/db errors retried: %lld\n",
                 setup, c['I'], c['L'], dlq, c['E'] + c['B']);
     std::printf("(%c) crashes injected: %lld (unexpected consumer exits: %lld)\n", setup, crashes, unexpected_exits);
     std::printf("(%c) server restarts: %lld (redis-server SIGKILL + AOF restart, PostgreSQL restart)\n", setup, restarts);
+    if (setup == 'e')
+      std::printf("(e) upstream double effects: %lld, upstream lost: %lld; relays killed: %lld, downstream consumers "
+                  "killed: %lld\n",
+                  up_doubles, up_lost, relay_kills, downstream_kills);
     std::printf("(%c) double effects: %lld\n", setup, res.doubles);
     std::printf("(%c) lost messages: %lld\n", setup, res.lost);
     std::printf("(%c) balances: %d accounts, %lld differ from the expected value, %lld differ from the effects log\n",
@@ -860,7 +1056,8 @@ public:
     if (setup == 'c' || setup == 'h')
       res.ok = res.finished && res.lost == 0 && res.unexplained == 0;
     else
-      res.ok = res.finished && res.lost == 0 && res.doubles == 0 && res.bad_balances == 0 && res.unexplained == 0;
+      res.ok = res.finished && res.lost == 0 && res.doubles == 0 && res.bad_balances == 0 && res.unexplained == 0 &&
+               up_doubles == 0 && up_lost == 0;
     return res;
   }
 
@@ -894,7 +1091,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abcfg";
+  std::string setups = "abcdefg";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -967,9 +1164,10 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'h' || s == 'd' || s == 'e' || g_stop) continue;
+    if (s < 'a' || s > 'h' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
-    const Result r = d.run(s, events, seed, bound);
+    // (e) runs eight processes (consumers, relays, downstream consumers) and two hops: half the events.
+    const Result r = d.run(s, s == 'e' ? std::max(1, events / 2) : events, seed, bound);
     if (!r.ok) {
       ok = false;
       std::printf("(%c) FAILED\n", s);
@@ -994,6 +1192,7 @@ int driver_main(int argc, char** argv) {
 int main(int argc, char** argv) {
   try {
     if (argc > 1 && std::string(argv[1]) == "worker") return worker_main(argc, argv);
+    if (argc > 1 && std::string(argv[1]) == "relay") return relay_main(argc, argv);
     return driver_main(argc, argv);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "idem_chaos: %s\n", e.what());

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <type_traits>
 
+#include "idem/core/error.hpp"
 #include "idem/core/store.hpp"
 
 namespace idem {
@@ -26,6 +27,20 @@ struct Context {
 template <class Tx = void>
 struct BasicContext : Context {
   Tx* tx = nullptr;  ///< transactional mode: the open transaction; lease mode: null
+
+  /// The transactional outbox of the open transaction (docs/outbox.md): `ctx.outbox().send(...)`.
+  /// Exists when the transaction has one (PostgresStore) or wraps a PostgresStore transaction
+  /// (`tx->postgres()`); usage_error in lease mode, where no transaction is open.
+  decltype(auto) outbox() const
+    requires requires(Tx& t) { t.outbox(); } || requires(Tx& t) { t.postgres().outbox(); }
+  {
+    if (tx == nullptr)
+      throw usage_error("idem: ctx.outbox() needs transactional mode (no transaction is open in lease mode)");
+    if constexpr (requires(Tx& t) { t.outbox(); })
+      return tx->outbox();
+    else
+      return tx->postgres().outbox();
+  }
 };
 
 /// Stores without transactions hand out the plain Context.

@@ -64,7 +64,12 @@ struct PostgresStoreOptions {
   /// larger without it (result_unavailable) instead of sending it. 64 MiB: far below bytea's 1 GB,
   /// and a write that size still finishes well inside the default 30 s statement_timeout.
   std::size_t max_result_bytes = std::size_t{64} << 20;
+  /// Transactional outbox (docs/outbox.md): migrate() also creates `<table>_outbox`, and handlers
+  /// may send messages with ctx.outbox(); false = no outbox table, ctx.outbox().send() is a usage_error.
+  bool outbox = false;
 };
+
+class OutboxWriter;
 
 namespace detail {
 class StoreImpl;
@@ -128,8 +133,15 @@ class PostgresStore {
       return exec_params(sql, params.data(), params.size());
     }
 
+    /// The transactional outbox of this transaction (idem/outbox/writer.hpp): messages sent through
+    /// it commit with the handler's writes. Needs PostgresStoreOptions::outbox.
+    OutboxWriter outbox() noexcept;
+    /// The key this transaction claimed ("" when not acquired).
+    [[nodiscard]] std::string_view key() const noexcept { return key_; }
+
    private:
     friend class detail::StoreImpl;
+    friend class OutboxWriter;
     Transaction() noexcept;
     PostgresResult exec_params(std::string_view sql, const detail::TextParam* params, std::size_t n);
     void release(bool healthy) noexcept;
@@ -138,6 +150,7 @@ class PostgresStore {
     std::unique_ptr<detail::Connection> conn_;
     AcquireResult decision_;
     std::string key_, fingerprint_, owner_;
+    std::uint32_t outbox_sent_ = 0;  // messages sent through outbox(): the next one's index
   };
 
   /// Validates both option sets (invalid_options_error); makes a PostgresClient of its own.
@@ -233,3 +246,6 @@ static_assert(CompletesUnavailable<PostgresStore>);
 static_assert(BatchStore<PostgresStore>);
 
 }  // namespace idem
+
+// OutboxWriter, the return type of Transaction::outbox(), needs the complete Transaction.
+#include "idem/outbox/writer.hpp"  // IWYU pragma: export

@@ -1,0 +1,94 @@
+#pragma once
+// Test support for the outbox: a store with an outbox on the PostgreSQL fixture server (a table of
+// its own per test), the Redis stream read back, and a downstream idem consumer of the stream.
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "idem/outbox/outbox.hpp"
+#include "idem/redis.hpp"
+#include "postgres/pg_support.hpp"
+#include "redis/redis_server.hpp"
+
+namespace outboxtest {
+
+using namespace std::chrono_literals;
+
+// A transactional store with an outbox, on a table of its own.
+struct Env {
+  std::string table = "ob" + pgtest::random_hex(10);
+  idem::PostgresStore store{idem::PostgresOptions{.conninfo = pgtest::conninfo(), .pool = {.size = 8}},
+                            idem::PostgresStoreOptions{.schema = "idem_test",
+                                                       .table = table,
+                                                       .mode = idem::PostgresMode::transactional,
+                                                       .outbox = true}};
+  idem::IdempotencyGuard<idem::PostgresStore> guard{
+      store, {.lease = 10s, .retention = 1h, .failure = {.mode = idem::FailureMode::release}}};
+
+  [[nodiscard]] idem::OutboxRelayOptions relay_options() const {
+    idem::OutboxRelayOptions o;
+    o.postgres.conninfo = pgtest::conninfo();
+    o.schema = "idem_test";
+    o.table = table;
+    o.backoff_initial = 20ms;
+    o.backoff_max = 200ms;
+    return o;
+  }
+  [[nodiscard]] std::string outbox() const { return "idem_test.\"" + table + "_outbox\""; }
+  [[nodiscard]] std::string scope() const { return "idem_test." + table; }
+};
+
+// One stream entry as the publisher wrote it.
+struct Entry {
+  std::string id, key, payload;
+  std::map<std::string, std::string> fields;
+};
+
+inline std::unique_ptr<redisContext, void (*)(redisContext*)> connect(int port) {
+  timeval tv{5, 0};
+  std::unique_ptr<redisContext, void (*)(redisContext*)> c(redisConnectWithTimeout("127.0.0.1", port, tv), redisFree);
+  if (!c || c->err) throw std::runtime_error("test: cannot connect to redis");
+  return c;
+}
+
+// Every entry of `stream`, in stream order.
+inline std::vector<Entry> read_stream(int port, const std::string& stream) {
+  auto c = connect(port);
+  auto r = idem::test::command_argv(c.get(), {"XRANGE", stream, "-", "+"});
+  if (!r || r->type != REDIS_REPLY_ARRAY) throw std::runtime_error("test: XRANGE failed");
+  std::vector<Entry> out;
+  for (std::size_t i = 0; i < r->elements; ++i) {
+    const redisReply* e = r->element[i];
+    const redisReply* f = e->element[1];
+    Entry x;
+    for (std::size_t j = 0; j + 1 < f->elements; j += 2)
+      x.fields[std::string(f->element[j]->str, f->element[j]->len)] =
+          std::string(f->element[j + 1]->str, f->element[j + 1]->len);
+    x.id = x.fields["id"];
+    x.key = x.fields["key"];
+    x.payload = x.fields["payload"];
+    out.push_back(std::move(x));
+  }
+  return out;
+}
+
+// The downstream consumer: idem on Redis, keyed on the entry's outbox id. applied[id] counts effects.
+struct Downstream {
+  explicit Downstream(const idem::test::RedisServer& server)
+      : store(server.options()), guard(store, {.lease = 10s, .retention = 1h}) {}
+  void consume(const std::vector<Entry>& entries) {
+    for (const auto& e : entries) {
+      auto out = guard.run(e.id, [&](const idem::Context&) { ++applied[e.id]; });
+      if (out.status == idem::Status::duplicate) ++duplicates;
+    }
+  }
+  idem::RedisStore store;
+  idem::IdempotencyGuard<idem::RedisStore> guard;
+  std::map<std::string, int> applied;
+  int duplicates = 0;
+};
+
+}  // namespace outboxtest
