@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abcfg] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcdefg] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -31,7 +31,7 @@
 //       returns), with the heartbeat on (a read's last entry waits for the handlers before it);
 //   (h) as (c), through run_batch as (g): not in the default set (--setups h), it reports what
 //       batches do to the double effects of a non-idempotent effect.
-// Exit status 1 when (a), (b), (f) or (g) has a double effect, a lost message or a wrong balance, when
+// Exit status 1 when (a), (b), (d), (e), (f) or (g) has a double effect, a lost message or a wrong balance, when
 // any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
@@ -1100,7 +1100,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcfg] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefg] [--seed S]\n");
       return 2;
     }
   }
