@@ -383,6 +383,16 @@ void concurrent_acquire_has_one_winner(F& f) {
   }
 }
 
+// The guard cases run a handler through f.run_guard(guard, key, handler) when the factory has one
+// (the async guard's instance: guard.run_async, awaited), else through guard.run(key, handler).
+template <class F, class G, class K, class H>
+auto guarded(F& f, G& guard, const K& key, H handler) {
+  if constexpr (requires { f.run_guard(guard, key, handler); })
+    return f.run_guard(guard, key, std::move(handler));
+  else
+    return guard.run(key, std::move(handler));
+}
+
 // Invariant 1 through the guard: race_threads threads x race_keys keys x race_rounds rounds, every
 // thread walking the keys in its own order; each key's handler must run exactly once.
 template <class F>
@@ -406,7 +416,7 @@ void guard_race_exactly_once(F& f) {
       for (int round = 0; round < rounds; ++round) {
         std::shuffle(order.begin(), order.end(), rng);
         for (int i : order) {
-          auto out = guard.run(names[static_cast<std::size_t>(i)], [&] {
+          auto out = guarded(f, guard, names[static_cast<std::size_t>(i)], [&] {
             runs[static_cast<std::size_t>(i)].fetch_add(1);
             return i;
           });
@@ -448,19 +458,19 @@ void guard_replays_and_records_failures(F& f) {
     ++calls;
     throw std::runtime_error("downstream said no");
   };
-  CHECK_THROWS_WITH(guard.run(k, boom), "downstream said no");
+  CHECK_THROWS_WITH(guarded(f, guard, k, boom), "downstream said no");
   f.advance(20ms);
-  CHECK_THROWS_WITH(guard.run(k, boom), "downstream said no");
-  auto out = guard.run(k, boom);
+  CHECK_THROWS_WITH(guarded(f, guard, k, boom), "downstream said no");
+  auto out = guarded(f, guard, k, boom);
   CHECK(out.status == Status::previously_failed);
   CHECK(out.error == "downstream said no");
   CHECK(out.action() == BrokerAction::dead_letter);
   CHECK(calls == 2);
 
   const auto k2 = f.key("guard-ok");
-  auto first = guard.run(k2, [](const Context& ctx) { return std::to_string(ctx.fence) + "/" + std::to_string(ctx.attempt); });
+  auto first = guarded(f, guard, k2, [](const Context& ctx) { return std::to_string(ctx.fence) + "/" + std::to_string(ctx.attempt); });
   CHECK(first.status == Status::executed);
-  auto second = guard.run(k2, []() -> std::string { return "never"; });
+  auto second = guarded(f, guard, k2, []() -> std::string { return "never"; });
   CHECK(second.status == Status::duplicate);
   CHECK(*second.value == "1/1");
 }
@@ -589,6 +599,19 @@ void batch_takeover_and_stop(F& f) {
   TEST_CASE("contract: " name, tag "[contract]") {  \
     Factory f;                                      \
     ::idem::contract::fn(f);                        \
+  }
+
+/// Instantiates the guard's part of the contract for Factory, whose run_guard(guard, key, handler)
+/// runs the handler through another entry point than guard.run (run_async); `name` prefixes the
+/// case names (several instances can share a binary).
+#define IDEM_GUARD_CONTRACT_SUITE(Factory, name, tag)                                      \
+  TEST_CASE(name ": guard race: each key runs exactly once", tag "[contract]") {          \
+    Factory f;                                                                           \
+    ::idem::contract::guard_race_exactly_once(f);                                        \
+  }                                                                                      \
+  TEST_CASE(name ": guard replays results and records failures", tag "[contract]") {      \
+    Factory f;                                                                           \
+    ::idem::contract::guard_replays_and_records_failures(f);                             \
   }
 
 /// Instantiates the whole store contract for Factory; tag is a Catch2 tag such as "[memory]".
