@@ -1,10 +1,20 @@
 #pragma once
 // Test support for the outbox: a store with an outbox on the PostgreSQL fixture server (a table of
-// its own per test), the Redis stream read back, and a downstream idem consumer of the stream.
+// its own per test), the relay worker (outbox_worker.cpp) SIGKILLed between publish and mark-sent,
+// the Redis stream read back, and a downstream idem consumer of the stream.
 
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -12,6 +22,12 @@
 #include "idem/redis.hpp"
 #include "postgres/pg_support.hpp"
 #include "redis/redis_server.hpp"
+
+#ifndef IDEM_OUTBOX_WORKER
+#error "IDEM_OUTBOX_WORKER must name the idem_outbox_worker executable (outbox_worker.cpp)"
+#endif
+
+extern char** environ;
 
 namespace outboxtest {
 
@@ -39,7 +55,50 @@ struct Env {
   }
   [[nodiscard]] std::string outbox() const { return "idem_test.\"" + table + "_outbox\""; }
   [[nodiscard]] std::string scope() const { return "idem_test." + table; }
+  // Handlers of incoming messages 0..count-1, committed one by one: message `n` sends one outbox
+  // message to `destination`, key `prefix(n % keys)`, payload "key:index-within-key" so a consumer
+  // can check per-key order.
+  void write(const std::string& destination, int count, int keys, const std::string& prefix = "key-") {
+    for (int n = 0; n < count; ++n) {
+      const std::string key = prefix + std::to_string(n % keys);
+      const std::string payload = key + ":" + std::to_string(n / keys);
+      guard.run(prefix + "in-" + std::to_string(n), [&](const auto& ctx) { ctx.outbox().send(destination, key, payload); });
+    }
+  }
 };
+
+// Runs idem_outbox_worker (outbox_worker.cpp) with the `publisher` it names (redis, kafka,
+// rabbitmq) at `address`: one relay batch in another process, SIGKILLed once its publisher has the
+// broker's acknowledgement and before the relay marks the rows sent. Exec'd right away
+// (posix_spawn): forking a threaded, sanitized test process and going on without exec is unsafe.
+// Returns the batch size the killed relay had published (from its marker file).
+inline int relay_killed_after_publish(const std::string& publisher, const Env& env, const std::string& address) {
+  const std::string marker = "/tmp/idem-outbox-marker." + std::to_string(::getpid()) + "." + env.table;
+  ::unlink(marker.c_str());
+  std::vector<std::string> args = {IDEM_OUTBOX_WORKER, publisher, pgtest::conninfo(), "idem_test", env.table,
+                                   address, marker};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  if (::posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), environ) != 0)
+    throw std::runtime_error("cannot spawn " + args[0]);
+  int batch = -1;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < end) {
+    std::ifstream in(marker);
+    if (in >> batch) break;
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid) throw std::runtime_error("the worker exited before publishing");
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ::kill(pid, SIGKILL);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ::unlink(marker.c_str());
+  if (batch < 0) throw std::runtime_error("the worker did not publish within 60 s");
+  return batch;
+}
 
 // One stream entry as the publisher wrote it.
 struct Entry {
