@@ -1,4 +1,6 @@
-// idem::RedisClient and the connection layer behind it (client.hpp).
+// idem::RedisClient (client.hpp): connections from the pool, the handshake, script calls with
+// their recovery (NOSCRIPT, lost replies, redirections, Sentinel rediscovery). The link a call
+// writes and reads on is link.cpp.
 
 #include "client.hpp"
 
@@ -12,10 +14,6 @@
 #include <tuple>
 #include <utility>
 
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/time.h>
-
 #include "idem/core/error.hpp"
 #include "idem/redis/client.hpp"
 #include "idem/redis/hash_slot.hpp"
@@ -24,102 +22,7 @@ namespace idem {
 
 namespace detail::redis {
 
-void add_auth(Pipeline& p, const std::string& user, const std::string& password) {
-  if (password.empty()) return;
-  Command auth;
-  auth.arg("AUTH");
-  if (!user.empty()) auth.arg(user);
-  p.add(auth.arg(password).format());
-}
-
-std::string describe(const Endpoint& e) {
-  if (e.port == 0) return e.host;
-  return e.host.find(':') != std::string::npos ? "[" + e.host + "]:" + std::to_string(e.port)
-                                               : e.host + ":" + std::to_string(e.port);
-}
-
-// The one write path. hiredis's own writer uses write(2), which raises SIGPIPE on a socket the
-// server closed; send with MSG_NOSIGNAL turns that into EPIPE. Returns the bytes written.
-std::size_t write_all(int fd, std::string_view data) noexcept {
-  std::size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t n = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      break;
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  return done;
-}
-
-std::size_t Link::write(std::string_view data) noexcept {
-  return tls ? tls->write(data) : write_all(context->fd, data);
-}
-
 namespace {
-void set_error(redisContext* c, int type, const char* text) noexcept {
-  c->err = type;
-  std::snprintf(c->errstr, sizeof c->errstr, "%s", text);
-}
-}  // namespace
-
-// Over TLS, decrypted bytes are fed to the context's own reader: hiredis parses them as it would
-// what it read from the socket itself.
-ReplyPtr Link::read() noexcept {
-  redisContext* c = context.get();
-  void* reply = nullptr;
-  if (!tls) {
-    if (redisGetReply(c, &reply) != REDIS_OK) return nullptr;
-  } else {
-    for (;;) {
-      if (redisReaderGetReply(c->reader, &reply) != REDIS_OK) {
-        set_error(c, c->reader->err, c->reader->errstr);
-        return nullptr;
-      }
-      if (reply != nullptr) break;
-      char buf[16 * 1024];
-      const long n = tls->read(buf, sizeof buf);
-      if (n == 0) {
-        set_error(c, REDIS_ERR_EOF, "Server closed the connection");
-        return nullptr;
-      }
-      if (n < 0) {
-        const int err = errno;
-        set_error(c, REDIS_ERR_IO, tls->refused() ? tls->failure().c_str() : std::strerror(err));
-        errno = err;
-        return nullptr;
-      }
-      if (redisReaderFeed(c->reader, buf, static_cast<std::size_t>(n)) != REDIS_OK) {
-        set_error(c, c->reader->err, c->reader->errstr);
-        return nullptr;
-      }
-    }
-  }
-  if (reply == nullptr) return nullptr;
-  answered = true;
-  return ReplyPtr(static_cast<redisReply*>(reply));
-}
-
-// A pooled connection the server closed while idle (restart, idle timeout, CLIENT KILL) reads as
-// ready-with-EOF.
-bool Link::idle() noexcept {
-  if (tls) return tls->idle();
-  pollfd p{context->fd, POLLIN, 0};
-  int rc;
-  do rc = ::poll(&p, 1, 0);
-  while (rc < 0 && errno == EINTR);
-  return rc == 0;
-}
-
-namespace {
-
-timeval to_timeval(millis d) {
-  timeval tv{};
-  tv.tv_sec = static_cast<decltype(tv.tv_sec)>(d.count() / 1000);
-  tv.tv_usec = static_cast<decltype(tv.tv_usec)>((d.count() % 1000) * 1000);
-  return tv;
-}
 
 // What the pool's messages call the server.
 std::string pool_name(const RedisOptions& o) {
@@ -201,25 +104,6 @@ Command Client::evalsha(Script s, std::size_t numkeys) {
 
 Link Client::open(const Endpoint& to, const char* role, const Tls* tls) const {
   return open_connection(to, opt_, role, tls);
-}
-
-Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* role, const Tls* tls) {
-  const timeval ctv = to_timeval(opt_.connect_timeout);
-  redisContext* raw = to.port == 0 ? redisConnectUnixWithTimeout(to.host.c_str(), ctv)
-                                   : redisConnectWithTimeout(to.host.c_str(), to.port, ctv);
-  if (raw == nullptr) throw connection_error("idem: cannot allocate a Redis connection", "", true);
-  ContextPtr c(raw);
-  const std::string at = describe(to);
-  if (c->err)
-    throw connection_error("idem: cannot connect to " + std::string(role) + " at " + at + " within connect_timeout (" +
-                               ms(opt_.connect_timeout) + "): " + c->errstr + "; is it running there? retry later",
-                           "", true);
-  if (redisSetTimeout(c.get(), to_timeval(opt_.command_timeout)) != REDIS_OK)
-    throw connection_error("idem: cannot set the command timeout on a Redis socket: " + std::string(c->errstr), "",
-                           true);
-  Link link{std::move(c), nullptr};
-  if (tls != nullptr) link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout);
-  return link;
 }
 
 // Sends the handshake (AUTH, SELECT, and ROLE in Sentinel mode) in one write and checks each answer.
