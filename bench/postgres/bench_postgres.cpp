@@ -44,8 +44,10 @@ int main(int argc, char** argv) {
   try {
     idem::PostgresOptions o;
     o.conninfo = conninfo;
-    o.pool.size = static_cast<std::size_t>(clients) * (batch > 1 ? 2 : 1);  // a batch holds a session for its writes
     idem::PostgresStoreOptions so;
+    if (const char* v = std::getenv("IDEM_BENCH_BATCH_SESSIONS")) so.batch_sessions = std::stoul(v);
+    // a batch holds up to batch_sessions sessions for its writes, and one for its acquire
+    o.pool.size = static_cast<std::size_t>(clients) * (batch > 1 ? 1 + so.batch_sessions : 1);
     so.schema = "idem_bench";
     // dup: lease mode, every message a duplicate of a completed key (the redelivery path).
     const bool dup = mode == "dup";

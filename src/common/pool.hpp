@@ -75,6 +75,32 @@ public:
     }
   }
 
+  /// An idle live connection, else a new one if the pool is below size, else an empty handle at
+  /// once: for work that can do with fewer connections (a batch's extra completion sessions).
+  connection try_checkout() {
+    std::unique_lock lock(mu_);
+    while (!idle_.empty()) {
+      connection c = std::move(idle_.back());
+      idle_.pop_back();
+      lock.unlock();
+      if (traits_.alive(c)) return c;
+      c = connection{};
+      lock.lock();
+      --open_;
+    }
+    if (open_ >= options_.size) return connection{};
+    ++open_;
+    lock.unlock();
+    try {
+      return traits_.connect();
+    } catch (...) {
+      lock.lock();
+      --open_;
+      cv_.notify_one();
+      throw;
+    }
+  }
+
   /// Returns a connection; an unhealthy one (or one Traits::reusable refuses) is closed.
   void checkin(connection c, bool healthy) noexcept {
     if (healthy) healthy = traits_.reusable(c);

@@ -67,7 +67,9 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
 
 }  // namespace
 
-Pipeline::Pipeline(StoreImpl& s) : store_(&s), conn_(s.client.pool().checkout()) {
+Pipeline::Pipeline(StoreImpl& s) : Pipeline(s, s.client.pool().checkout()) {}
+
+Pipeline::Pipeline(StoreImpl& s, std::unique_ptr<Connection> session) : store_(&s), conn_(std::move(session)) {
   try {
     s.prepare(*conn_);
   } catch (...) {

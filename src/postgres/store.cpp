@@ -35,6 +35,9 @@ PostgresStoreOptions checked(PostgresStoreOptions o) {
   if (o.max_result_bytes == 0 || o.max_result_bytes > max_pg_result_bytes)
     throw invalid_options_error("idem: PostgresStoreOptions::max_result_bytes must be 1.." +
                                 std::to_string(max_pg_result_bytes) + " (bytea holds at most 1 GB); the default is 64 MiB");
+  if (o.batch_sessions == 0 || o.batch_sessions > 64)
+    throw invalid_options_error("idem: PostgresStoreOptions::batch_sessions must be 1..64 (sessions a batch's "
+                                "completions spread over); the default is 4");
   if (o.isolation != "read committed" && o.isolation != "repeatable read" && o.isolation != "serializable")
     throw invalid_options_error(
         "idem: PostgresStoreOptions::isolation must be \"read committed\", "

@@ -145,6 +145,8 @@ class StoreImpl;
 class Pipeline {
  public:
   explicit Pipeline(StoreImpl& s);  // throws what checkout / preparation throws: nothing sent
+  // On a session the caller checked out (non-null); preparation throws as above, the session dropped.
+  Pipeline(StoreImpl& s, std::unique_ptr<Connection> session);
   ~Pipeline();                      // reads what is unread, leaves pipeline mode, returns the session
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;

@@ -64,6 +64,11 @@ struct PostgresStoreOptions {
   /// larger without it (result_unavailable) instead of sending it. 64 MiB: far below bytea's 1 GB,
   /// and a write that size still finishes well inside the default 30 s statement_timeout.
   std::size_t max_result_bytes = std::size_t{64} << 20;
+  /// Lease-mode batches (run_batch): sessions a batch spreads its completions over, so commits
+  /// waiting for the disk at once share one WAL flush; each stays its own durable transaction.
+  /// Extra sessions are taken only when the pool has them free and held until the batch ends
+  /// (size pool.size for threads x this). 1..64; 1 = every completion on one session.
+  std::size_t batch_sessions = 4;
   /// Transactional outbox (docs/outbox.md): migrate() also creates `<table>_outbox`, and handlers
   /// may send messages with ctx.outbox(); false = no outbox table, ctx.outbox().send() is a usage_error.
   bool outbox = false;
