@@ -168,15 +168,16 @@ std::string conninfo_at(int port) {
 // A lease-mode store whose sessions go through a TcpProxy, already set up (migrated, statements
 // prepared), so the next request is the one a test means to cut. One session: a batch's writer
 // holds it, and a resend needs the dead one dropped first.
+// With a larger pool, a batch's completions spread over up to batch_sessions of its sessions.
 struct Proxied {
-  Proxied() : store(make()) {}
+  explicit Proxied(std::size_t pool = 1) : store(make(pool)) {}
   idem::test::TcpProxy proxy{pgtest::port()};
   idem::PostgresStore store;
 
-  idem::PostgresStore make() {
+  idem::PostgresStore make(std::size_t pool) {
     auto o = pgtest::options();
     o.client.conninfo = conninfo_at(proxy.port());
-    o.client.pool.size = 1;
+    o.client.pool.size = pool;
     o.client.pool.wait = 5s;
     idem::PostgresStore s(o.client, o.store);
     REQUIRE_FALSE(s.inspect(key("warm-up")).has_value());
@@ -394,7 +395,9 @@ TEST_CASE("postgres batch: an acquire_many whose reply is lost answers acquired 
 
 TEST_CASE("postgres batch: a completion whose answer is lost mid-batch is settled as the same holder",
           "[postgres][batch][fault]") {
-  Proxied p;
+  const std::size_t pool = GENERATE(1, 4);  // completions on one session, or over four
+  INFO("pool " << pool);
+  Proxied p(pool);
   idem::IdempotencyGuard g(p.store, {.lease = 30s, .retention = 600s});
   const auto keys = fresh_keys("lost-complete", 10);
   std::vector<BatchItem> items;
@@ -457,6 +460,39 @@ TEST_CASE("postgres batch: completions that cannot be settled are reported, neve
   auto again = g.run_batch(items, [&](const BatchItem&) { return ++ran; });
   CHECK(ran == 0);
   for (const auto& o : again.outcomes) CHECK(o.status == Status::duplicate);
+}
+
+TEST_CASE("postgres batch: completions spread over batch_sessions sessions, taken only when the pool has them",
+          "[postgres][batch]") {
+  // Sessions this store opened, by a name of its own in pg_stat_activity (the pool keeps them).
+  auto sessions_after_batch = [](std::size_t pool, std::size_t batch_sessions) {
+    const std::string app = "lanes_" + pgtest::random_hex(8);
+    auto o = pgtest::options();
+    o.client.conninfo = conninfo_at(pgtest::port()) + " application_name=" + app;
+    o.client.pool.size = pool;
+    o.store.batch_sessions = batch_sessions;
+    idem::PostgresStore s(o.client, o.store);
+    idem::IdempotencyGuard g(s, {.lease = 30s, .retention = 600s});
+    const auto keys = fresh_keys("lanes", 20);
+    std::vector<BatchItem> items;
+    for (const auto& k : keys) items.push_back({k, ""});
+    auto r = g.run_batch(items, [](const BatchItem&) { return 1; });
+    CHECK(r.executed() == 20);
+    for (const auto& k : keys) CHECK(s.inspect(k)->state == State::completed);
+    pgtest::Raw raw;
+    return std::stoul(raw.scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = '" + app + "'"));
+  };
+  // One session acquires, then carries the first completion; three more carry the rest.
+  CHECK(sessions_after_batch(8, 4) == 4);
+  CHECK(sessions_after_batch(8, 1) == 1);
+  CHECK(sessions_after_batch(2, 4) == 2);  // the pool's limit, not waited for past it
+  // Refused at construction, naming the option.
+  for (std::size_t bad : {std::size_t{0}, std::size_t{65}}) {
+    auto o = pgtest::options();
+    o.store.batch_sessions = bad;
+    auto e = pgtest::capture<idem::invalid_options_error>([&] { idem::PostgresStore(o.client, o.store); });
+    CHECK(std::string(e.what()).find("batch_sessions") != std::string::npos);
+  }
 }
 
 TEST_CASE("postgres batch: 4 consumers batch the same keys: each key runs once", "[postgres][batch]") {
