@@ -593,6 +593,43 @@ void batch_takeover_and_stop(F& f) {
   CHECK(runs == 4);
 }
 
+// A store's batch path decides each request as acquire() does, in request order: a key asked
+// twice in one call is acquired, then in_flight (the guard never asks twice, a caller may).
+template <class F>
+void batch_acquire_many_in_request_order(F& f) {
+  auto& s = f.store();
+  using S = std::remove_reference_t<decltype(s)>;
+  // A store without a batch path is held to the same answers from acquire() in turn: what
+  // run_batch falls back to.
+  auto decide = [&s](const std::vector<AcquireRequest>& req) {
+    if constexpr (BatchStore<S>) {
+      return s.acquire_many(req);
+    } else {
+      std::vector<AcquireResult> out;
+      for (const auto& r : req) out.push_back(s.acquire(r.key, r.params));
+      return out;
+    }
+  };
+  const auto a = f.key("m-a"), b = f.key("m-b"), done = f.key("m-done"), held = f.key("m-held");
+  auto d = s.acquire(done, params(931));
+  REQUIRE(d.status == AcquireStatus::acquired);
+  REQUIRE(s.complete(done, d.holder, "r", 60s) == WriteStatus::ok);
+  REQUIRE(s.acquire(held, params(932)).status == AcquireStatus::acquired);
+  const std::vector<AcquireRequest> req{{a, params(933)}, {b, params(934)}, {a, params(935)},
+                                        {done, params(936)}, {held, params(937)}, {b, params(938)}};
+  const auto out = decide(req);
+  REQUIRE(out.size() == req.size());
+  CHECK(out[0].status == AcquireStatus::acquired);
+  CHECK(out[0].holder.token == 933);
+  CHECK(out[1].status == AcquireStatus::acquired);
+  CHECK(out[2].status == AcquireStatus::in_flight);
+  CHECK(out[3].status == AcquireStatus::duplicate);
+  CHECK(out[3].payload == "r");
+  CHECK(out[4].status == AcquireStatus::in_flight);
+  CHECK(out[5].status == AcquireStatus::in_flight);
+  CHECK(s.inspect(a)->holder.token == 933);
+}
+
 }  // namespace idem::contract
 
 #define IDEM_CONTRACT_CASE_(Factory, tag, name, fn) \
@@ -640,4 +677,6 @@ void batch_takeover_and_stop(F& f) {
                       guard_replays_and_records_failures)                                                      \
   IDEM_CONTRACT_CASE_(Factory, tag, "batch: every kind of item in one call", batch_mixed_items)                \
   IDEM_CONTRACT_CASE_(Factory, tag, "batch: a lapsed lease is taken over, stop at the first error",            \
-                      batch_takeover_and_stop)
+                      batch_takeover_and_stop)                                                                 \
+  IDEM_CONTRACT_CASE_(Factory, tag, "batch: the store decides a batch's keys in request order",                \
+                      batch_acquire_many_in_request_order)

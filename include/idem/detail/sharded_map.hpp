@@ -43,14 +43,17 @@ public:
   [[nodiscard]] std::size_t shard_count() const noexcept { return count_; }
   Shard& at(std::size_t i) noexcept { return shards_[i]; }
 
-  Shard& shard(std::string_view key) const noexcept {
+  /// The index of the shard that holds `key` (what shard() picks; a batch groups keys by it).
+  [[nodiscard]] std::size_t index_of(std::string_view key) const noexcept {
     // Mix the hash so shard choice and bucket choice do not use the same low bits.
     std::size_t h = KeyHash{}(key);
     h ^= h >> 29;
     h *= 0xbf58476d1ce4e5b9ULL;
     h ^= h >> 32;
-    return shards_[h % count_];
+    return h % count_;
   }
+
+  Shard& shard(std::string_view key) const noexcept { return shards_[index_of(key)]; }
 
   /// Entries over all shards, each shard locked in turn.
   [[nodiscard]] std::size_t size() const {

@@ -2,6 +2,7 @@
 /// @file guard/batch_run.hpp IdempotencyGuard::run_batch (declared in guard.hpp, which includes
 /// this file at its end). docs/batches.md explains the semantics.
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <exception>
@@ -9,7 +10,7 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "idem/guard/guard.hpp"
@@ -48,10 +49,24 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
   constexpr std::size_t none = static_cast<std::size_t>(-1);
   std::vector<std::size_t> first_of(n, none);
   {
-    std::unordered_map<std::string_view, std::size_t> seen;
+    // By (hash, position), not through a hash map: no allocation per item. Equal keys have equal
+    // hashes, and within a hash the lowest position comes first: that is the first occurrence.
+    std::vector<std::pair<std::size_t, std::size_t>> by_hash;
+    by_hash.reserve(n);
     for (std::size_t i = 0; i < n; ++i)
-      if (bad[i]) continue;
-      else if (auto [at, fresh] = seen.try_emplace(items[i].key, i); !fresh) first_of[i] = at->second;
+      if (!bad[i]) by_hash.emplace_back(std::hash<std::string_view>{}(items[i].key), i);
+    std::sort(by_hash.begin(), by_hash.end());
+    for (std::size_t b = 0, e = 0; b < by_hash.size(); b = e) {
+      for (e = b + 1; e < by_hash.size() && by_hash[e].first == by_hash[b].first;) ++e;
+      for (std::size_t k = b + 1; k < e; ++k)
+        for (std::size_t j = b; j < k; ++j) {
+          const std::size_t at = by_hash[j].second, i = by_hash[k].second;
+          if (first_of[at] == none && items[at].key == items[i].key) {
+            first_of[i] = at;
+            break;
+          }
+        }
+    }
   }
   auto for_item = [&](std::size_t i) {
     return [&handler, &item = items[i]](const context_type& ctx) -> decltype(auto) {

@@ -63,7 +63,125 @@ public:
     detail::check_acquire(key, p);
     Shard& sh = shard(key);
     std::lock_guard lock(sh.mu);
-    const std::int64_t now = now_ms();
+    return acquire_locked(sh, key, p, now_ms());
+  }
+
+  /// Records the result if `h` still holds the key; else lease_lost and nothing changes.
+  WriteStatus complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+    return write_completed(key, h, retention, false, result);
+  }
+
+  /// Completes the key without its result (see CompletesUnavailable) if `h` still holds it.
+  WriteStatus complete_unavailable(std::string_view key, const Holder& h, std::string_view reason, millis retention) {
+    return write_completed(key, h, retention, true, reason);
+  }
+
+
+  /// Releases or records a failure if `h` still holds the key; else lease_lost.
+  WriteStatus fail(std::string_view key, const Holder& h, const FailParams& f) {
+    detail::check_holder(key, h);
+    detail::check_lease(f.retention, "retention");
+    return with_holder(key, h, [&](Entry& e, std::int64_t now) {
+      e.rec.state = State::failed;
+      e.rec.error = f.error;
+      e.rec.lease_until_ms = 0;
+      e.rec.permanent = !f.release && f.permanent;
+      e.rec.retry_at_ms = f.release ? now : now + std::max<std::int64_t>(0, f.backoff.count());
+      e.expires_at_ms = now + f.retention.count();
+    });
+  }
+
+  /// Pushes the lease of a live holder to now + lease; lease_lost if taken over or gone.
+  WriteStatus extend(std::string_view key, const Holder& h, millis lease) {
+    detail::check_holder(key, h);
+    detail::check_lease(lease);
+    return with_holder(key, h, [&](Entry& e, std::int64_t now) {
+      e.rec.lease_until_ms = now + lease.count();
+      e.expires_at_ms = std::max(e.expires_at_ms, e.rec.lease_until_ms);
+    });
+  }
+
+  /// Decides each request as acquire() does, in request order (BatchStore).
+  std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests) {
+    // A bad request refuses the batch before any key is taken, as the other stores do.
+    for (const AcquireRequest& r : requests) detail::check_acquire(r.key, r.params);
+    // One lock per shard touched: the requests grouped by shard, in request order within one
+    // (so a key asked twice is decided in order: acquired, then in_flight).
+    std::vector<std::pair<std::size_t, std::size_t>> order(requests.size());  // (shard, request)
+    for (std::size_t i = 0; i < requests.size(); ++i) order[i] = {shards_.index_of(requests[i].key), i};
+    std::sort(order.begin(), order.end());
+    std::vector<AcquireResult> out(requests.size());
+    for (std::size_t b = 0; b < order.size();) {
+      Shard& sh = shards_.at(order[b].first);
+      std::lock_guard lock(sh.mu);
+      const std::int64_t now = now_ms();
+      std::size_t e = b;
+      for (; e < order.size() && order[e].first == order[b].first; ++e) {
+        const AcquireRequest& r = requests[order[e].second];
+        out[order[e].second] = acquire_locked(sh, r.key, r.params, now);
+      }
+      b = e;
+    }
+    return out;
+  }
+
+  /// The writes of one batch (BatchWriter): in memory each is done when it is made.
+  class BatchWriter {
+  public:
+    explicit BatchWriter(MemoryStore& s) : s_(&s) {}
+    /// Completes now; the status is kept for finish().
+    void complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
+      statuses_.push_back(s_->complete(key, h, result, retention));
+    }
+    /// Fails now; the status is kept for finish().
+    void fail(std::string_view key, const Holder& h, const FailParams& f) { statuses_.push_back(s_->fail(key, h, f)); }
+    /// The statuses, in the order the writes were made.
+    std::vector<WriteStatus> finish() { return std::move(statuses_); }
+
+  private:
+    MemoryStore* s_;
+    std::vector<WriteStatus> statuses_;
+  };
+  /// A writer for one batch (BatchStore).
+  BatchWriter batch_writer() { return BatchWriter(*this); }
+
+  /// A snapshot of the live record, or nullopt if absent or expired.
+  std::optional<Record> inspect(std::string_view key) {
+    detail::check_key(key, static_cast<std::size_t>(-1));
+    Shard& sh = shard(key);
+    std::lock_guard lock(sh.mu);
+    auto it = sh.map.find(key);
+    if (it == sh.map.end() || it->second.expires_at_ms <= now_ms()) return std::nullopt;
+    return it->second.rec;
+  }
+
+  /// Removes expired records from every shard; returns how many were removed.
+  std::size_t purge_expired() {
+    std::size_t n = 0;
+    for (std::size_t i = 0; i < shards_.shard_count(); ++i) {
+      Shard& sh = shards_.at(i);
+      std::lock_guard lock(sh.mu);
+      n += purge_locked(sh, now_ms());
+    }
+    return n;
+  }
+
+  /// Number of stored records, expired ones not yet purged included.
+  [[nodiscard]] std::size_t size() const { return shards_.size(); }
+
+private:
+  struct Entry {
+    Record rec;
+    std::int64_t expires_at_ms = 0;
+  };
+  using Shard = detail::ShardedMap<Entry>::Shard;
+
+  std::int64_t now_ms() const noexcept { return options_.clock->now_ms(); }
+
+  Shard& shard(std::string_view key) const noexcept { return shards_.shard(key); }
+
+  // acquire() on a locked shard at `now` (a batch decides every key of a shard under one lock).
+  AcquireResult acquire_locked(Shard& sh, std::string_view key, const AcquireParams& p, std::int64_t now) {
     auto it = sh.map.find(key);
     if (it != sh.map.end() && it->second.expires_at_ms <= now) {
       sh.map.erase(it);
@@ -139,105 +257,6 @@ public:
     r.attempts = rec.attempts;
     return r;
   }
-
-  /// Records the result if `h` still holds the key; else lease_lost and nothing changes.
-  WriteStatus complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
-    return write_completed(key, h, retention, false, result);
-  }
-
-  /// Completes the key without its result (see CompletesUnavailable) if `h` still holds it.
-  WriteStatus complete_unavailable(std::string_view key, const Holder& h, std::string_view reason, millis retention) {
-    return write_completed(key, h, retention, true, reason);
-  }
-
-  /// Releases or records a failure if `h` still holds the key; else lease_lost.
-  WriteStatus fail(std::string_view key, const Holder& h, const FailParams& f) {
-    detail::check_holder(key, h);
-    detail::check_lease(f.retention, "retention");
-    return with_holder(key, h, [&](Entry& e, std::int64_t now) {
-      e.rec.state = State::failed;
-      e.rec.error = f.error;
-      e.rec.lease_until_ms = 0;
-      e.rec.permanent = !f.release && f.permanent;
-      e.rec.retry_at_ms = f.release ? now : now + std::max<std::int64_t>(0, f.backoff.count());
-      e.expires_at_ms = now + f.retention.count();
-    });
-  }
-
-  /// Pushes the lease of a live holder to now + lease; lease_lost if taken over or gone.
-  WriteStatus extend(std::string_view key, const Holder& h, millis lease) {
-    detail::check_holder(key, h);
-    detail::check_lease(lease);
-    return with_holder(key, h, [&](Entry& e, std::int64_t now) {
-      e.rec.lease_until_ms = now + lease.count();
-      e.expires_at_ms = std::max(e.expires_at_ms, e.rec.lease_until_ms);
-    });
-  }
-
-  /// Decides each request as acquire() does, in request order (BatchStore).
-  std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests) {
-    // A bad request refuses the batch before any key is taken, as the other stores do.
-    for (const AcquireRequest& r : requests) detail::check_acquire(r.key, r.params);
-    std::vector<AcquireResult> out;
-    out.reserve(requests.size());
-    for (const AcquireRequest& r : requests) out.push_back(acquire(r.key, r.params));
-    return out;
-  }
-
-  /// The writes of one batch (BatchWriter): in memory each is done when it is made.
-  class BatchWriter {
-  public:
-    explicit BatchWriter(MemoryStore& s) : s_(&s) {}
-    /// Completes now; the status is kept for finish().
-    void complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
-      statuses_.push_back(s_->complete(key, h, result, retention));
-    }
-    /// Fails now; the status is kept for finish().
-    void fail(std::string_view key, const Holder& h, const FailParams& f) { statuses_.push_back(s_->fail(key, h, f)); }
-    /// The statuses, in the order the writes were made.
-    std::vector<WriteStatus> finish() { return std::move(statuses_); }
-
-  private:
-    MemoryStore* s_;
-    std::vector<WriteStatus> statuses_;
-  };
-  /// A writer for one batch (BatchStore).
-  BatchWriter batch_writer() { return BatchWriter(*this); }
-
-  /// A snapshot of the live record, or nullopt if absent or expired.
-  std::optional<Record> inspect(std::string_view key) {
-    detail::check_key(key, static_cast<std::size_t>(-1));
-    Shard& sh = shard(key);
-    std::lock_guard lock(sh.mu);
-    auto it = sh.map.find(key);
-    if (it == sh.map.end() || it->second.expires_at_ms <= now_ms()) return std::nullopt;
-    return it->second.rec;
-  }
-
-  /// Removes expired records from every shard; returns how many were removed.
-  std::size_t purge_expired() {
-    std::size_t n = 0;
-    for (std::size_t i = 0; i < shards_.shard_count(); ++i) {
-      Shard& sh = shards_.at(i);
-      std::lock_guard lock(sh.mu);
-      n += purge_locked(sh, now_ms());
-    }
-    return n;
-  }
-
-  /// Number of stored records, expired ones not yet purged included.
-  [[nodiscard]] std::size_t size() const { return shards_.size(); }
-
-private:
-  struct Entry {
-    Record rec;
-    std::int64_t expires_at_ms = 0;
-  };
-  using Shard = detail::ShardedMap<Entry>::Shard;
-
-  std::int64_t now_ms() const noexcept { return options_.clock->now_ms(); }
-
-  Shard& shard(std::string_view key) const noexcept { return shards_.shard(key); }
 
   // `unavailable`: `text` is why the result is missing, else the result itself.
   WriteStatus write_completed(std::string_view key, const Holder& h, millis retention, bool unavailable,
