@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,28 +46,8 @@ public:
     std::unique_lock lock(mu_);
     const auto deadline = std::chrono::steady_clock::now() + options_.wait;
     for (;;) {
-      if (!idle_.empty()) {
-        connection c = std::move(idle_.back());
-        idle_.pop_back();
-        lock.unlock();
-        if (traits_.alive(c)) return c;
-        c = connection{};  // closed by the server while idle: replace it, never send on it
-        lock.lock();
-        --open_;
-        continue;
-      }
-      if (open_ < options_.size) {
-        ++open_;
-        lock.unlock();
-        try {
-          return traits_.connect();
-        } catch (...) {
-          lock.lock();
-          --open_;
-          cv_.notify_one();
-          throw;
-        }
-      }
+      if (auto c = take_idle(lock)) return std::move(*c);
+      if (open_ < options_.size) return open_new(lock);
       if (!cv_.wait_until(lock, deadline, [&] { return !idle_.empty() || open_ < options_.size; }))
         throw timeout_error("idem: all " + std::to_string(options_.size) + " connections to " + what_ +
                                 " stayed busy for " + std::to_string(options_.wait.count()) +
@@ -79,26 +60,9 @@ public:
   /// once: for work that can do with fewer connections (a batch's extra completion sessions).
   connection try_checkout() {
     std::unique_lock lock(mu_);
-    while (!idle_.empty()) {
-      connection c = std::move(idle_.back());
-      idle_.pop_back();
-      lock.unlock();
-      if (traits_.alive(c)) return c;
-      c = connection{};
-      lock.lock();
-      --open_;
-    }
+    if (auto c = take_idle(lock)) return std::move(*c);
     if (open_ >= options_.size) return connection{};
-    ++open_;
-    lock.unlock();
-    try {
-      return traits_.connect();
-    } catch (...) {
-      lock.lock();
-      --open_;
-      cv_.notify_one();
-      throw;
-    }
+    return open_new(lock);
   }
 
   /// Returns a connection; an unhealthy one (or one Traits::reusable refuses) is closed.
@@ -136,6 +100,36 @@ public:
   [[nodiscard]] const std::string& what() const noexcept { return what_; }
 
 private:
+  // `lock` held: an idle connection that is still alive (the lock released), else nullopt (the
+  // lock still held). One closed by the server while idle is replaced, never sent on.
+  std::optional<connection> take_idle(std::unique_lock<std::mutex>& lock) {
+    while (!idle_.empty()) {
+      connection c = std::move(idle_.back());
+      idle_.pop_back();
+      lock.unlock();
+      if (traits_.alive(c)) return c;
+      c = connection{};
+      lock.lock();
+      --open_;
+    }
+    return std::nullopt;
+  }
+
+  // `lock` held and the pool below size: a new connection, counted before connecting so no other
+  // caller opens past size meanwhile (the lock released while connecting).
+  connection open_new(std::unique_lock<std::mutex>& lock) {
+    ++open_;
+    lock.unlock();
+    try {
+      return traits_.connect();
+    } catch (...) {
+      lock.lock();
+      --open_;
+      cv_.notify_one();
+      throw;
+    }
+  }
+
   PoolOptions options_;
   Traits traits_;
   std::string what_;
