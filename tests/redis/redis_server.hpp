@@ -136,8 +136,11 @@ struct Child {
 
 class RedisServer {
 public:
-  /// Starts a server; `config` lines are appended to the generated redis.conf.
-  explicit RedisServer(std::vector<std::string> config = {}) : config_(std::move(config)) {
+  /// Starts a server; `config` lines are appended to the generated redis.conf. `tls_only`: it
+  /// listens with TLS only (`port 0`, `tls-port P`; `config` names the certificates), and the
+  /// harness's own commands go through its Unix socket, so the harness needs no TLS client.
+  explicit RedisServer(std::vector<std::string> config = {}, bool tls_only = false)
+      : config_(std::move(config)), tls_only_(tls_only) {
     char tmpl[] = "/tmp/idem-redis-XXXXXX";
     if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("test: mkdtemp failed");
     dir_ = tmpl;
@@ -182,7 +185,11 @@ public:
   void start() {
     {
       std::ofstream conf(dir_ + "/redis.conf");
-      conf << "bind 127.0.0.1\nport " << port_ << "\ndir " << dir_ << "\nsave \"\"\nappendonly no\n"
+      if (tls_only_)
+        conf << "port 0\ntls-port " << port_ << "\n";
+      else
+        conf << "port " << port_ << "\n";
+      conf << "bind 127.0.0.1\ndir " << dir_ << "\nsave \"\"\nappendonly no\n"
            << "daemonize no\nlogfile " << dir_ << "/redis.log\nunixsocket " << socket_path()
            << "\nunixsocketperm 700\n"
            << "user " << admin_user << " on >" << admin_password_ << " ~* &* +@all\n";
@@ -198,7 +205,8 @@ public:
       }
       try {
         // Ours, not a server another test started on the same port a moment earlier.
-        if (command({"INFO", "server"}).find("process_id:" + std::to_string(pid_) + "\r") != std::string::npos)
+        if (command({"INFO", "server"}).find("process_id:" + std::to_string(pid_) + "\r") != std::string::npos &&
+            (!tls_only_ || port_listening()))
           return;
       } catch (const std::exception&) {
       }
@@ -221,8 +229,9 @@ public:
   /// Runs one command as the admin user; returns the reply flattened to text ("(nil)", "ERR ...").
   std::string command(const std::vector<std::string>& args) const {
     timeval tv{5, 0};
-    std::unique_ptr<redisContext, void (*)(redisContext*)> c(redisConnectWithTimeout("127.0.0.1", port_, tv),
-                                                              redisFree);
+    std::unique_ptr<redisContext, void (*)(redisContext*)> c(
+        tls_only_ ? redisConnectUnixWithTimeout(socket_path().c_str(), tv) : redisConnectWithTimeout("127.0.0.1", port_, tv),
+        redisFree);
     if (!c || c->err) throw std::runtime_error("test: cannot connect to the test redis-server");
     redisSetTimeout(c.get(), tv);
     auto run = [&](const std::vector<std::string>& a) {
@@ -233,6 +242,14 @@ public:
     const std::string auth = run({"AUTH", admin_user, admin_password_});
     if (auth != "OK") throw std::runtime_error("test: admin AUTH failed: " + auth);
     return run(args);
+  }
+
+  /// INFO stats' counter `name` (total_connections_received, ...).
+  long long stat(const std::string& name) const {
+    const std::string info = command({"INFO", "stats"});
+    const auto at = info.find(name + ":");
+    if (at == std::string::npos) throw std::runtime_error("test: no " + name + " in INFO stats");
+    return std::stoll(info.substr(at + name.size() + 1));
   }
 
   std::string log_tail() const {
@@ -265,12 +282,26 @@ private:
     }
   }
 
+  // Something accepts connections on the port (a TLS-only server answers INFO on its socket
+  // before its TLS port is up).
+  bool port_listening() const {
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<std::uint16_t>(port_));
+    const bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    return ok;
+  }
+
   void cleanup_dir() {
     std::error_code ec;
     if (!dir_.empty()) std::filesystem::remove_all(dir_, ec);
   }
 
   std::vector<std::string> config_;
+  bool tls_only_ = false;
   std::string admin_password_ = random_password();
   std::string dir_;
   int port_ = 0;

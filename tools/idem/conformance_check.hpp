@@ -3,7 +3,7 @@
 //
 // Why not Catch2: the tool is built and installed by users who never build the tests (Catch2 is
 // a test-only dependency), and Catch2's session, reporters and global state are made for a test
-// binary, not for a command that runs twenty cases once and prints a table. The suite only uses
+// binary, not for a command that runs twenty-one cases once and prints a table. The suite only uses
 // CHECK, CHECK_FALSE, REQUIRE, CHECK_THROWS, CHECK_THROWS_AS, CHECK_THROWS_WITH and FAIL, so the
 // same case functions compile against these: the contract stays written once. A case's first
 // failed expectation is kept as its reason; REQUIRE and FAIL end the case like Catch2 does.
