@@ -1,7 +1,9 @@
 // Recovery (issue 11): pools heal after a restart, a write whose reply was lost is settled by the
 // same holder asking again (no re-run, no false status), and when that cannot be done the error
 // says the outcome is unknown. Lost replies come from support/tcp_proxy.hpp: the request reaches
-// the server and runs, the reply never reaches the client.
+// the server and runs, the reply never reaches the client. The single calls' cases are the shared
+// lost-reply suite (support/lost_reply_suite.hpp, also run on AsyncRedisStore); the guard's,
+// batches', sequences' and the replica cases are here.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -14,6 +16,7 @@
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
 #include "redis_factory.hpp"
+#include "support/lost_reply_suite.hpp"
 #include "support/tcp_proxy.hpp"
 
 using namespace std::chrono_literals;
@@ -39,9 +42,12 @@ struct Proxied {
     return o;
   }()};
   std::string key = "lost-" + idem::test::random_hex();
+  Proxied() { (void)store.inspect(key + "-warm"); }  // the connection up before any plan
 };
 
 }  // namespace
+
+IDEM_LOST_REPLY_SUITE(Proxied, "redis", "[redis]")
 
 TEST_CASE("redis restarted under a full idle pool: the next N calls all succeed", "[redis][recovery]") {
   constexpr int n = 4;
@@ -78,103 +84,6 @@ TEST_CASE("redis restarted under a full idle pool: the next N calls all succeed"
   CHECK(executed.load() == n);
   for (int i = 0; i < n; ++i)
     CHECK(guard.run(ns + "again-" + std::to_string(i), [] { return 2; }).status == idem::Status::executed);
-}
-
-TEST_CASE("redis lost acquire reply: the same holder's retry is acquired with the same fence", "[redis][recovery]") {
-  Proxied t;
-  t.proxy.arm(TcpProxy::Action::cut);
-  auto r = t.store.acquire(t.key, params(77));
-  CHECK(t.proxy.fired());
-  CHECK(r.status == AcquireStatus::acquired);
-  CHECK(r.holder == idem::Holder{1, 77});
-  CHECK(r.attempts == 1);
-  CHECK_FALSE(r.takeover);
-  auto rec = t.store.inspect(t.key);
-  REQUIRE(rec);
-  CHECK(rec->holder == idem::Holder{1, 77});
-  // A rival is still in flight behind it, and the holder completes as usual.
-  CHECK(t.store.acquire(t.key, params(78)).status == AcquireStatus::in_flight);
-  CHECK(t.store.complete(t.key, r.holder, "done", 60s) == WriteStatus::ok);
-
-  // A takeover whose reply was lost: the retry finds the record already its own, so it answers
-  // acquired with the fence the takeover gave, as a plain acquisition (the record does not keep
-  // how it was acquired; docs/redis.md).
-  const std::string k2 = t.key + "-takeover";
-  auto lapsing = params(1);
-  lapsing.lease = 100ms;
-  REQUIRE(t.store.acquire(k2, lapsing).status == AcquireStatus::acquired);
-  std::this_thread::sleep_for(200ms);
-  t.proxy.arm(TcpProxy::Action::cut);
-  auto taken = t.store.acquire(k2, params(2));
-  CHECK(t.proxy.fired());
-  CHECK(taken.status == AcquireStatus::acquired);
-  CHECK(taken.holder == idem::Holder{2, 2});
-  CHECK_FALSE(taken.takeover);
-}
-
-TEST_CASE("redis lost complete reply: the same holder's retry answers ok, nothing is overwritten",
-          "[redis][recovery]") {
-  Proxied t;
-  auto r = t.store.acquire(t.key, params(5));
-  REQUIRE(r.status == AcquireStatus::acquired);
-  t.proxy.arm(TcpProxy::Action::cut);
-  CHECK(t.store.complete(t.key, r.holder, "the result", 60s) == WriteStatus::ok);
-  CHECK(t.proxy.fired());
-  auto d = t.store.acquire(t.key, params(6));
-  CHECK(d.status == AcquireStatus::duplicate);
-  CHECK(d.payload == "the result");
-  // Another completion by the same holder is still refused: a completed record is never overwritten.
-  CHECK(t.store.complete(t.key, r.holder, "other", 60s) == WriteStatus::lease_lost);
-}
-
-TEST_CASE("redis lost fail reply: the same holder's retry answers ok", "[redis][recovery]") {
-  Proxied t;
-  for (const bool release : {false, true}) {
-    const std::string k = t.key + (release ? "-release" : "-record");
-    auto r = t.store.acquire(k, params(9));
-    REQUIRE(r.status == AcquireStatus::acquired);
-    idem::FailParams fp;
-    fp.error = "boom";
-    fp.release = release;
-    fp.backoff = 30s;
-    fp.retention = 60s;
-    t.proxy.arm(TcpProxy::Action::cut);
-    CHECK(t.store.fail(k, r.holder, fp) == WriteStatus::ok);
-    CHECK(t.proxy.fired());
-    auto rec = t.store.inspect(k);
-    REQUIRE(rec);
-    CHECK(rec->state == idem::State::failed);
-    CHECK(rec->error == "boom");
-    CHECK(rec->holder == r.holder);
-    const auto next = t.store.acquire(k, params(10)).status;
-    CHECK(next == (release ? AcquireStatus::acquired : AcquireStatus::in_flight));
-  }
-}
-
-TEST_CASE("redis lost complete_unavailable reply: the retry answers ok", "[redis][recovery]") {
-  Proxied t;
-  auto r = t.store.acquire(t.key, params(5));
-  t.proxy.arm(TcpProxy::Action::cut);
-  CHECK(t.store.complete_unavailable(t.key, r.holder, "too large", 60s) == WriteStatus::ok);
-  auto d = t.store.acquire(t.key, params(6));
-  CHECK(d.status == AcquireStatus::duplicate);
-  CHECK(d.result_unavailable);
-  CHECK(d.payload == "too large");
-}
-
-TEST_CASE("redis reply held past command_timeout: the same holder's retry settles it", "[redis][recovery]") {
-  RedisServer server;
-  TcpProxy proxy{server.port()};
-  idem::RedisOptions o = server.options();
-  o.port = proxy.port();
-  o.command_timeout = 300ms;
-  idem::RedisStore store(o);
-  const std::string k = "held-" + idem::test::random_hex();
-  auto r = store.acquire(k, params(3));
-  proxy.arm(TcpProxy::Action::hold);
-  CHECK(store.complete(k, r.holder, "v", 60s) == WriteStatus::ok);
-  CHECK(proxy.fired());
-  CHECK(store.acquire(k, params(4)).payload == "v");
 }
 
 TEST_CASE("redis lost replies through the guard: the handler runs once, executed", "[redis][recovery]") {
@@ -227,56 +136,6 @@ TEST_CASE("redis lost complete_advance reply: ok, the sequence advanced once", "
   CHECK(out.advance.previous == std::optional<std::uint64_t>(7));
   CHECK(seqs.last_applied("acct-1") == std::optional<std::uint64_t>(7));
   CHECK(t.store.acquire(t.key, params(32)).payload == "r");
-}
-
-TEST_CASE("redis lost reply and no retry possible: outcome_unknown_error", "[redis][recovery]") {
-  Proxied t;
-  auto r = t.store.acquire(t.key, params(5));
-  t.proxy.arm(TcpProxy::Action::cut, 0, {}, /*refuse_after=*/true);
-  try {
-    (void)t.store.complete(t.key, r.holder, "v", 60s);
-    FAIL("a lost reply with no retry possible was reported as settled");
-  } catch (const idem::outcome_unknown_error& e) {
-    CHECK_FALSE(e.retryable());
-    CHECK(std::string(e.what()).find("unknown") != std::string::npos);
-  }
-  t.proxy.refuse(false);
-  // The write had run: the holder's own retry now settles it, and nothing ran twice.
-  CHECK(t.store.complete(t.key, r.holder, "v", 60s) == WriteStatus::ok);
-  auto rec = t.store.inspect(t.key);
-  REQUIRE(rec);
-  CHECK(rec->state == idem::State::completed);
-
-  t.proxy.arm(TcpProxy::Action::cut, 0, {}, true);
-  CHECK_THROWS_AS(t.store.acquire(t.key + "-acquire", params(6)), idem::outcome_unknown_error);
-  t.proxy.refuse(false);
-  // The acquisition had been made: its holder gets it back, a rival is in flight behind it.
-  CHECK(t.store.acquire(t.key + "-acquire", params(7)).status == AcquireStatus::in_flight);
-  CHECK(t.store.acquire(t.key + "-acquire", params(6)).holder == idem::Holder{1, 6});
-}
-
-TEST_CASE("redis lost reply, then an error reply to the retry: outcome_unknown_error with its code",
-          "[redis][recovery]") {
-  Proxied t;
-  auto r = t.store.acquire(t.key, params(5));
-  t.proxy.plan({{TcpProxy::Action::cut, {}}, {TcpProxy::Action::replace, "-LOADING injected by the test\r\n"}});
-  try {
-    (void)t.store.complete(t.key, r.holder, "v", 60s);
-    FAIL("an error reply to the retry was reported as settled");
-  } catch (const idem::outcome_unknown_error& e) {
-    CHECK(e.code() == "LOADING");
-    CHECK_FALSE(e.retryable());
-    CHECK(std::string(e.what()).find(t.key) != std::string::npos);
-  }
-  CHECK(t.proxy.fired());
-  CHECK(t.store.acquire(t.key, params(6)).payload == "v");  // the first had run
-}
-
-TEST_CASE("redis reads are not resent: a lost inspect reply is a retryable connection_error", "[redis][recovery]") {
-  Proxied t;
-  t.proxy.arm(TcpProxy::Action::cut);
-  CHECK_THROWS_AS(t.store.inspect(t.key), idem::connection_error);
-  CHECK_NOTHROW(t.store.inspect(t.key));
 }
 
 TEST_CASE("redis transient error replies are retryable store_errors", "[redis][recovery]") {
