@@ -142,11 +142,10 @@ inline idem::PostgresStore store(idem::PostgresMode mode = idem::PostgresMode::l
 static_assert(std::is_convertible_v<const idem::IdempotencyGuard<idem::PostgresStore>::context_type&,
                                     const idem::Context&>);
 
-// Factory of the contract suite (lease mode) on the shared fixture server.
-struct PgFactory {
-  using store_type = idem::PostgresStore;
-  PgFactory() : store_(pgtest::store()), prefix_("c" + random_hex() + ":") {}
-  store_type& store() { return store_; }
+// What the contract suite asks of a factory on a real server's clock: keys under a prefix of the
+// case's own, time that passes by sleeping, races sized for a server round trip.
+struct ServerFactoryBase {
+  explicit ServerFactoryBase(std::string prefix) : prefix_(std::move(prefix)) {}
   std::string key(std::string_view name) { return prefix_ + std::string(name); }
   void advance(idem::millis d) { std::this_thread::sleep_for(d); }
   idem::millis short_lease() const { return idem::millis{200}; }
@@ -155,8 +154,17 @@ struct PgFactory {
   int race_rounds() const { return 3; }
 
 private:
-  store_type store_;
   std::string prefix_;
+};
+
+// Factory of the contract suite (lease mode) on the shared fixture server.
+struct PgFactory : ServerFactoryBase {
+  using store_type = idem::PostgresStore;
+  PgFactory() : ServerFactoryBase("c" + random_hex() + ":"), store_(pgtest::store()) {}
+  store_type& store() { return store_; }
+
+private:
+  store_type store_;
 };
 
 }  // namespace pgtest

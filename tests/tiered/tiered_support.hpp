@@ -57,21 +57,16 @@ private:
 
 // Factory of the contract suite: a TieredStore over the process's Redis and the fixture's
 // PostgreSQL in transactional mode (so the guard cases run through begin()).
-struct TieredFactory {
+struct TieredFactory : pgtest::ServerFactoryBase {
   using store_type = idem::TieredStore;
-  TieredFactory() : pg_(pgtest::store(pg_options())), tiered_(redis_options(), pg_), prefix_("t" + pgtest::random_hex() + ":") {}
+  TieredFactory()
+      : pgtest::ServerFactoryBase("t" + pgtest::random_hex() + ":"), pg_(pgtest::store(pg_options())),
+        tiered_(redis_options(), pg_) {}
   store_type& store() { return tiered_; }
-  std::string key(std::string_view name) { return prefix_ + std::string(name); }
-  void advance(idem::millis d) { std::this_thread::sleep_for(d); }
-  idem::millis short_lease() const { return idem::millis{200}; }
-  int race_threads() const { return 8; }
-  int race_keys() const { return 20; }
-  int race_rounds() const { return 3; }
 
 private:
   idem::PostgresStore pg_;
   idem::TieredStore tiered_;
-  std::string prefix_;
 };
 
 }  // namespace tieredtest
