@@ -1,4 +1,4 @@
-// RabbitMqPublisher against a real rabbitmq-server (tests/outbox/rabbitmq_broker.sh): confirmed
+// RabbitMqPublisher against a real rabbitmq-server (tests/support/rabbitmq_broker.sh): confirmed
 // batches read back with basic.get (message_id, headers, persistence, order), exchange/routing-key
 // destinations, unroutable messages and missing exchanges refused, a broker outage and its end.
 

@@ -1,5 +1,5 @@
 #pragma once
-// A real rabbitmq-server for the outbox tests (tests/outbox/rabbitmq_broker.sh) and a small AMQP
+// A real rabbitmq-server for the outbox tests (tests/support/rabbitmq_broker.sh) and a small AMQP
 // client to set up queues and read messages back with basic.get.
 //
 // RabbitBroker::shared() is the CTest fixture's broker (its port file, IDEM_RABBITMQ_FIXTURE_PORT_FILE);
@@ -23,7 +23,7 @@
 #include <vector>
 
 #ifndef IDEM_RABBITMQ_BROKER_SCRIPT
-#error "IDEM_RABBITMQ_BROKER_SCRIPT must name tests/outbox/rabbitmq_broker.sh"
+#error "IDEM_RABBITMQ_BROKER_SCRIPT must name tests/support/rabbitmq_broker.sh"
 #endif
 #ifndef IDEM_RABBITMQ_FIXTURE_PORT_FILE
 #define IDEM_RABBITMQ_FIXTURE_PORT_FILE ""

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Starts and stops a throwaway rabbitmq-server for the outbox tests and scripts/bench-outbox.
+# Starts and stops a throwaway rabbitmq-server: the one fixture of every RabbitMQ test
+# (tests/rabbitmq/run.sh for the consumer template, the outbox tests, scripts/bench-outbox).
 #
 #   rabbitmq_broker.sh start STATE_DIR    # a fresh node on free ports -> STATE_DIR/port (AMQP)
 #   rabbitmq_broker.sh halt STATE_DIR     # stops the node, keeps its data and ports (a broker outage)
 #   rabbitmq_broker.sh resume STATE_DIR   # starts the halted node again, same port, same data
 #   rabbitmq_broker.sh stop STATE_DIR     # stops the node and removes everything it had
 #
-# The node is set up as tests/rabbitmq/run.sh sets up its own: its name (idem-outbox-PID@localhost),
-# AMQP, distribution and epmd ports (free ones, picked at random) and its mnesia, logs and cookie in
-# a fresh temp dir (STATE_DIR/dir points to it); 127.0.0.1 only, no plugins, never a system
-# rabbitmq-server; as root it runs as the rabbitmq user. Up to 3 start attempts (fresh ports; a
-# resume keeps its ports), each bounded by 60 s. A node that cannot start is an error (exit 1),
-# never a skip. Every process is stopped by its PID or process group, never by name.
+# The node is our own: its name (idem-test-PID@localhost), its AMQP, distribution and epmd ports
+# (free ones, picked at random), and its mnesia, log, feature-flags, plugins and cookie files live
+# in a fresh temp dir (STATE_DIR/dir names it). It binds to 127.0.0.1 only, loads no plugins, and
+# never touches a system rabbitmq-server. As root the server runs as the rabbitmq user (it refuses
+# root), so the temp dir is owned by rabbitmq. Up to 3 start attempts (fresh ports; a resume keeps
+# its ports), each bounded by 60 s. A node that cannot start is an error (exit 1), never a skip.
+# Every process is stopped by its PID or process group, never by name: SIGTERM to the node's PID
+# (or rabbitmqctl stop), then its process group if anything is left, then our epmd.
 set -uo pipefail
 
 cmd=${1:?usage: rabbitmq_broker.sh start|halt|resume|stop STATE_DIR}
@@ -109,9 +112,9 @@ case "$cmd" in
 start)
   [[ -f $state/dir ]] && "$0" stop "$state"
   mkdir -p "$state"
-  tmp=$(mktemp -d /tmp/idem-outbox-rabbitmq.XXXXXX)
+  tmp=$(mktemp -d /tmp/idem-rabbitmq.XXXXXX)
   chmod 755 "$tmp"
-  node="idem-outbox-$$@localhost"
+  node="idem-test-$$@localhost"
   : >"$tmp/rabbitmq-env.conf"
   : >"$tmp/rabbitmq.conf"
   echo "[]." >"$tmp/enabled_plugins"
