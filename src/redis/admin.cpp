@@ -11,6 +11,7 @@
 #include <hiredis/hiredis.h>
 
 #include "admin/idem_redis_scripts.hpp"
+#include "client.hpp"
 #include "idem/core/error.hpp"
 #include "idem/redis/hash_slot.hpp"
 
@@ -157,6 +158,7 @@ struct RedisAdmin::Impl {
     if (!c) throw connection_error("idem: cannot allocate a Redis connection");
     n.ctx.reset(c);
     if (c->err) throw connection_error("idem: cannot connect to Redis at " + n.name() + ": " + c->errstr);
+    detail::redis::limit_aggregates(c->reader);
     timeval ct{};
     ct.tv_sec = opt.command_timeout.count() / 1000;
     ct.tv_usec = static_cast<suseconds_t>((opt.command_timeout.count() % 1000) * 1000);

@@ -106,6 +106,17 @@ std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o);
 // The plain write path: send(2) with MSG_NOSIGNAL until `data` is written or an error; the bytes written.
 std::size_t write_all(int fd, std::string_view data) noexcept;
 
+// The most elements one reply aggregate may announce. hiredis 0.14 allocates an array's element
+// table from the count in its header, before any element arrives, so one corrupt or hostile
+// header ("*333333333") asks for gigabytes; idem's largest replies (a batch, a SCAN page,
+// CLUSTER SLOTS) hold thousands.
+inline constexpr int max_reply_elements = 1 << 20;
+// Makes `r` refuse an aggregate over max_reply_elements: the read fails as hiredis fails one it
+// cannot allocate (REDIS_ERR_OOM), so the connection is dropped as broken and never half-read.
+void limit_aggregates(redisReader* r) noexcept;
+// A reader error's text for users: hiredis's own, except that its "Out of memory" also names the limit.
+const char* reader_error(int err, const char* errstr) noexcept;
+
 // One connection: hiredis's context (the socket, the reply parser) and, over TLS, the session on
 // its socket. Every byte goes through write() and read(), so the rules above them (timeouts, no
 // SIGPIPE, NotSent or in doubt, the pool's idle check) are the same for TCP and TLS.

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include <poll.h>
@@ -62,9 +63,45 @@ std::size_t Link::write(std::string_view data) noexcept {
 namespace {
 void set_error(redisContext* c, int type, const char* text) noexcept {
   c->err = type;
-  std::snprintf(c->errstr, sizeof c->errstr, "%s", text);
+  std::snprintf(c->errstr, sizeof c->errstr, "%s", reader_error(type, text));
+}
+
+// hiredis's own reply functions (static inside hiredis, so taken from a reader it made), with
+// createArray checking the announced count first.
+const redisReplyObjectFunctions* hiredis_functions() noexcept {
+  static const redisReplyObjectFunctions* const fn = [] {
+    redisReader* r = redisReaderCreate();
+    const redisReplyObjectFunctions* f = r != nullptr ? r->fn : nullptr;
+    if (r != nullptr) redisReaderFree(r);
+    return f;
+  }();
+  return fn;
+}
+
+void* create_limited_array(const redisReadTask* task, int elements) {
+  if (elements < 0 || elements > max_reply_elements) return nullptr;
+  return hiredis_functions()->createArray(task, elements);
+}
+
+redisReplyObjectFunctions limited_functions() noexcept {
+  redisReplyObjectFunctions f = *hiredis_functions();
+  f.createArray = create_limited_array;
+  return f;
 }
 }  // namespace
+
+void limit_aggregates(redisReader* r) noexcept {
+  // hiredis takes a non-const table; this one is never written after it is made.
+  static redisReplyObjectFunctions fn = limited_functions();
+  if (r != nullptr && hiredis_functions() != nullptr && r->fn == hiredis_functions()) r->fn = &fn;
+}
+
+const char* reader_error(int err, const char* errstr) noexcept {
+  if (err != REDIS_ERR_OOM) return errstr;
+  static const std::string text = "a reply announced more than " + std::to_string(max_reply_elements) +
+                                  " elements (not a Redis server's reply, or a damaged one), or memory ran out";
+  return text.c_str();
+}
 
 // Over TLS, decrypted bytes are fed to the context's own reader: hiredis parses them as it would
 // what it read from the socket itself.
@@ -72,7 +109,10 @@ ReplyPtr Link::read() noexcept {
   redisContext* c = context.get();
   void* reply = nullptr;
   if (!tls) {
-    if (redisGetReply(c, &reply) != REDIS_OK) return nullptr;
+    if (redisGetReply(c, &reply) != REDIS_OK) {
+      if (c->err == REDIS_ERR_OOM) set_error(c, c->err, c->errstr);
+      return nullptr;
+    }
   } else {
     for (;;) {
       if (redisReaderGetReply(c->reader, &reply) != REDIS_OK) {
@@ -120,6 +160,7 @@ Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* r
                                    : redisConnectWithTimeout(to.host.c_str(), to.port, ctv);
   if (raw == nullptr) throw connection_error("idem: cannot allocate a Redis connection", "", true);
   ContextPtr c(raw);
+  limit_aggregates(c->reader);
   const std::string at = describe(to);
   if (c->err)
     throw connection_error("idem: cannot connect to " + std::string(role) + " at " + at + " within connect_timeout (" +

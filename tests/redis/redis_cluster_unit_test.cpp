@@ -1,14 +1,17 @@
 // The pure parts of the Redis Cluster routing (src/redis/cluster.hpp): redirection replies and
 // CLUSTER SLOTS replies, parsed from the bytes a server sends (hiredis's reader builds the reply
-// objects, as it does for the client). No server: these are the shapes, the server tests are
-// redis_cluster_test.
+// objects, as it does for the client), and the reader's limit on aggregates (client.hpp). No
+// server: these are the shapes, the server tests are redis_cluster_test.
 #include <catch2/catch.hpp>
 
 #include <hiredis/hiredis.h>
 
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 
+#include "client.hpp"
 #include "cluster.hpp"
 #include "idem/core/error.hpp"
 
@@ -82,4 +85,47 @@ TEST_CASE("cluster: CLUSTER SLOTS replies give each range its master", "[redis][
     INFO(bad);
     CHECK_THROWS_AS(parse_slots(reply_of(bad).get(), "h"), idem::store_error);
   }
+}
+
+TEST_CASE("reader: an aggregate announcing over max_reply_elements is refused before it is allocated",
+          "[redis][cluster-unit]") {
+  using idem::detail::redis::max_reply_elements;
+  const auto read = [](const std::string& resp, void** out) {
+    std::unique_ptr<redisReader, void (*)(redisReader*)> reader(redisReaderCreate(), redisReaderFree);
+    idem::detail::redis::limit_aggregates(reader.get());
+    REQUIRE(redisReaderFeed(reader.get(), resp.data(), resp.size()) == REDIS_OK);
+    const int rc = redisReaderGetReply(reader.get(), out);
+    return std::make_pair(rc, reader->err);
+  };
+  void* r = nullptr;
+  // The fuzzer's find: without the limit hiredis callocs 333,333,333 pointers (2.7 GB) here.
+  auto [rc, err] = read("*333333333\r\n:6\r\n", &r);
+  CHECK(rc == REDIS_ERR);
+  CHECK(err == REDIS_ERR_OOM);
+  CHECK(r == nullptr);
+  CHECK(std::string(idem::detail::redis::reader_error(err, "Out of memory")).find(std::to_string(max_reply_elements)) !=
+        std::string::npos);
+  // Nested, too, and one over the limit.
+  std::tie(rc, err) = read("*1\r\n*" + std::to_string(max_reply_elements + 1) + "\r\n", &r);
+  CHECK(rc == REDIS_ERR);
+  CHECK(r == nullptr);
+  // Up to the limit, and the ordinary replies, read as before.
+  std::tie(rc, err) = read("*" + std::to_string(max_reply_elements) + "\r\n", &r);
+  CHECK(rc == REDIS_OK);
+  CHECK(r == nullptr);  // announced, not complete: waits for its elements
+  std::tie(rc, err) = read("*2\r\n:1\r\n$1\r\nx\r\n", &r);
+  REQUIRE(rc == REDIS_OK);
+  REQUIRE(r != nullptr);
+  auto* reply = static_cast<redisReply*>(r);
+  CHECK(reply->type == REDIS_REPLY_ARRAY);
+  CHECK(reply->elements == 2);
+  CHECK(reply->element[0]->integer == 1);
+  CHECK(std::string(reply->element[1]->str, reply->element[1]->len) == "x");
+  freeReplyObject(r);
+  // Limiting a reader twice changes nothing.
+  std::unique_ptr<redisReader, void (*)(redisReader*)> twice(redisReaderCreate(), redisReaderFree);
+  idem::detail::redis::limit_aggregates(twice.get());
+  const auto* fn = twice->fn;
+  idem::detail::redis::limit_aggregates(twice.get());
+  CHECK(twice->fn == fn);
 }
