@@ -128,7 +128,7 @@ private:
     timer_.cancel();  // the connect timeout; the handshake's command_timeout is armed as it is sent
     timer_armed_ = false;
     reader_.reset(redisReaderCreate());
-    idem::detail::redis::limit_aggregates(reader_.get());
+    limit_aggregates(reader_.get());
     state_ = State::handshaking;
     // The handshake goes first, alone: a refused AUTH must not let any script run. The scripts
     // are not loaded here: the construction check loaded them all, and a server that lost them
@@ -245,7 +245,7 @@ private:
       void* raw = nullptr;
       if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK)
         return broken({"Redis at " + where_ + " sent a reply that is not RESP: " +
-                            std::string(idem::detail::redis::reader_error(reader_->err, reader_->errstr)), false});
+                            std::string(reader_error(reader_->err, reader_->errstr)), false});
       if (raw == nullptr) break;
       ReplyPtr reply(static_cast<redisReply*>(raw));
       if (inflight_.empty()) return broken({"Redis at " + where_ + " sent a reply to no request", false});

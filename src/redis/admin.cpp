@@ -69,7 +69,9 @@ ReplyPtr command(Node& n, const std::vector<std::string>& args) {
   }
   auto* r = static_cast<redisReply*>(
       redisCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-  if (!r) throw connection_error("idem: the connection to " + n.name() + " failed: " + n.ctx->errstr);
+  if (!r)
+    throw connection_error("idem: the connection to " + n.name() +
+                           " failed: " + detail::redis::reader_error(n.ctx->err, n.ctx->errstr));
   return {r, freeReplyObject};
 }
 
@@ -97,7 +99,8 @@ std::vector<ReplyPtr> pipeline(Node& n, const std::vector<std::vector<std::strin
   for (std::size_t i = 0; i < cmds.size(); ++i) {
     void* r = nullptr;
     if (redisGetReply(n.ctx.get(), &r) != REDIS_OK || !r)
-      throw connection_error("idem: the connection to " + n.name() + " failed: " + n.ctx->errstr);
+      throw connection_error("idem: the connection to " + n.name() +
+                             " failed: " + detail::redis::reader_error(n.ctx->err, n.ctx->errstr));
     out.emplace_back(static_cast<redisReply*>(r), freeReplyObject);
   }
   return out;

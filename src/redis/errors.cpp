@@ -68,7 +68,7 @@ void throw_bad_reply(std::string_view what) {
 
 IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout) {
   const int err = errno;
-  const std::string text = c->errstr[0] ? c->errstr : std::strerror(err);
+  const std::string text = c->errstr[0] ? reader_error(c->err, c->errstr) : std::strerror(err);
   const bool timed_out = c->err == REDIS_ERR_IO && (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT ||
                                                     text.find("temporarily unavailable") != std::string::npos);
   if (timed_out)

@@ -63,37 +63,42 @@ std::size_t Link::write(std::string_view data) noexcept {
 namespace {
 void set_error(redisContext* c, int type, const char* text) noexcept {
   c->err = type;
-  std::snprintf(c->errstr, sizeof c->errstr, "%s", reader_error(type, text));
+  std::snprintf(c->errstr, sizeof c->errstr, "%s", text);
 }
 
-// hiredis's own reply functions (static inside hiredis, so taken from a reader it made), with
-// createArray checking the announced count first.
-const redisReplyObjectFunctions* hiredis_functions() noexcept {
-  static const redisReplyObjectFunctions* const fn = [] {
-    redisReader* r = redisReaderCreate();
-    const redisReplyObjectFunctions* f = r != nullptr ? r->fn : nullptr;
-    if (r != nullptr) redisReaderFree(r);
-    return f;
+void* create_limited_array(const redisReadTask* task, int elements);
+
+// hiredis's own reply functions (a table static inside hiredis, which every reader it makes points
+// to, so read from one) and the same table with createArray checking the announced count first.
+// hiredis takes the table as non-const; it never writes it.
+struct ReplyFunctions {
+  const redisReplyObjectFunctions* hiredis = nullptr;  // null only if hiredis could not make a reader
+  redisReplyObjectFunctions limited{};
+};
+
+ReplyFunctions& reply_functions() noexcept {
+  static ReplyFunctions f = [] {
+    ReplyFunctions out;
+    if (redisReader* r = redisReaderCreate()) {
+      out.hiredis = r->fn;
+      out.limited = *r->fn;
+      out.limited.createArray = create_limited_array;
+      redisReaderFree(r);
+    }
+    return out;
   }();
-  return fn;
+  return f;
 }
 
 void* create_limited_array(const redisReadTask* task, int elements) {
   if (elements < 0 || elements > max_reply_elements) return nullptr;
-  return hiredis_functions()->createArray(task, elements);
-}
-
-redisReplyObjectFunctions limited_functions() noexcept {
-  redisReplyObjectFunctions f = *hiredis_functions();
-  f.createArray = create_limited_array;
-  return f;
+  return reply_functions().hiredis->createArray(task, elements);
 }
 }  // namespace
 
 void limit_aggregates(redisReader* r) noexcept {
-  // hiredis takes a non-const table; this one is never written after it is made.
-  static redisReplyObjectFunctions fn = limited_functions();
-  if (r != nullptr && hiredis_functions() != nullptr && r->fn == hiredis_functions()) r->fn = &fn;
+  ReplyFunctions& f = reply_functions();
+  if (r != nullptr && f.hiredis != nullptr && r->fn == f.hiredis) r->fn = &f.limited;
 }
 
 const char* reader_error(int err, const char* errstr) noexcept {
@@ -109,10 +114,7 @@ ReplyPtr Link::read() noexcept {
   redisContext* c = context.get();
   void* reply = nullptr;
   if (!tls) {
-    if (redisGetReply(c, &reply) != REDIS_OK) {
-      if (c->err == REDIS_ERR_OOM) set_error(c, c->err, c->errstr);
-      return nullptr;
-    }
+    if (redisGetReply(c, &reply) != REDIS_OK) return nullptr;
   } else {
     for (;;) {
       if (redisReaderGetReply(c->reader, &reply) != REDIS_OK) {
