@@ -415,9 +415,16 @@ private:
       case idem::BrokerAction::dead_letter: {
         // Keyed on the payload too: each distinct payload reusing an id is its own dead letter.
         const idem::Outcome<long>& out = res.outcomes[k];
-        return dead_letter(m, pay.id + ":" + idem::fingerprint(value_of(m)),
-                           out.status == idem::Status::mismatch ? "payload differs from the first delivery of this id"
-                                                                : "failed permanently: " + out.error);
+        std::string why = out.status == idem::Status::mismatch ? "payload differs from the first delivery of this id"
+                                                               : "failed permanently: " + out.error;
+        if (res.errors[k]) {  // no redelivery can help (a bad key): idem::action_of said so
+          try {
+            std::rethrow_exception(res.errors[k]);
+          } catch (const std::exception& x) {
+            why = x.what();
+          }
+        }
+        return dead_letter(m, pay.id + ":" + idem::fingerprint(value_of(m)), why);
       }
     }
     return s_.max_retry;

@@ -325,16 +325,32 @@ private:
           dead_letter(env.delivery_tag);
           break;
       }
-    } catch (const idem::error& e) {
-      // Store down / timeout (retryable) or an unreadable record (not retryable: alert a human).
-      // The handler did not run to a recorded end: never ack.
-      stats_.store_errors.fetch_add(1);
-      std::fprintf(stderr, "[%s] idem error on %s: %s\n", s_.tag.c_str(), id.c_str(), e.what());
-      requeue_later(env.delivery_tag, e.retryable() ? s_.store_retry : idem::millis{30'000});
-    } catch (const std::exception&) {
-      // The handler threw; the guard recorded the failure per its policy. Try again shortly.
-      stats_.handler_errors.fetch_add(1);
-      requeue_later(env.delivery_tag, s_.min_retry);
+    } catch (...) {
+      // One mapping from the exception to the broker action (idem::action_of), as for a batch item.
+      const std::exception_ptr e = std::current_exception();
+      bool from_store = false, retryable = true;
+      try {
+        std::rethrow_exception(e);
+      } catch (const idem::error& x) {
+        // Store down / timeout (retryable) or an unreadable record (not retryable: alert a human).
+        from_store = !x.from_handler();
+        retryable = x.retryable();
+        std::fprintf(stderr, "[%s] idem error on %s: %s\n", s_.tag.c_str(), id.c_str(), x.what());
+      } catch (...) {
+      }
+      // The handler threw (recorded per the guard's failure policy), or the store failed.
+      (from_store ? stats_.store_errors : stats_.handler_errors).fetch_add(1);
+      switch (idem::action_of(e)) {
+        case idem::BrokerAction::ack:  // the effect ran and will not run again (its result was not stored)
+          ack(env.delivery_tag);
+          break;
+        case idem::BrokerAction::dead_letter:
+          dead_letter(env.delivery_tag);
+          break;
+        case idem::BrokerAction::requeue:
+          requeue_later(env.delivery_tag, !from_store ? s_.min_retry : retryable ? s_.store_retry : idem::millis{30'000});
+          break;
+      }
     }
   }
 

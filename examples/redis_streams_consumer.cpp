@@ -321,36 +321,49 @@ private:
     return Payment{*id, *acc, amount};
   }
 
-  // The status -> broker action table of the header comment.
+  // The broker action of an outcome (Outcome::action: the table of the header comment) in this
+  // consumer's terms: requeue is "leave it pending", its redelivery retries it.
+  static Action action_of(idem::BrokerAction a) {
+    switch (a) {
+      case idem::BrokerAction::ack: return Action::ack;
+      case idem::BrokerAction::dead_letter: return Action::dead_letter;
+      default: return Action::leave;
+    }
+  }
+
   Action action_for(const idem::Outcome<std::string>& out, const std::string& key, std::string& reason) {
     switch (out.status) {
-      case idem::Status::executed: ++n_.executed; return Action::ack;
-      case idem::Status::duplicate: ++n_.duplicates; return Action::ack;
-      case idem::Status::stale: ++n_.stale; return Action::ack;
+      case idem::Status::executed: ++n_.executed; break;
+      case idem::Status::duplicate: ++n_.duplicates; break;
+      case idem::Status::stale: ++n_.stale; break;
       case idem::Status::lease_lost:
         ++n_.lease_lost;
         std::fprintf(stderr, "[%s] ALERT: %s ran after its lease was taken over; raise the lease\n",
                      cfg_.consumer.c_str(), key.c_str());
-        return Action::ack;
-      case idem::Status::in_flight: ++n_.in_flight; return Action::leave;
-      case idem::Status::previously_failed: reason = out.error; return Action::dead_letter;
-      case idem::Status::mismatch: reason = "event id reused with a different payload"; return Action::dead_letter;
+        break;
+      case idem::Status::in_flight: ++n_.in_flight; break;
+      case idem::Status::previously_failed: reason = out.error; break;
+      case idem::Status::mismatch: reason = "event id reused with a different payload"; break;
     }
-    return Action::leave;
+    return action_of(out.action());
   }
 
-  // A run that ended in an exception: leave the entry pending, its redelivery retries it.
-  Action on_error(const std::exception_ptr& e) {
+  // A run that ended in an exception: idem::action_of decides (a store error or the handler's
+  // exception leaves the entry pending, and its redelivery retries it).
+  Action on_error(const std::exception_ptr& e, std::string& reason) {
     try {
       std::rethrow_exception(e);
     } catch (const idem::store_error& ex) {
       ++n_.store_errors;  // failed closed: not run, or not recorded (a redelivery takes it over)
       std::fprintf(stderr, "[%s] store: %s\n", cfg_.consumer.c_str(), ex.what());
       back_off_ = true;
-    } catch (...) {
+    } catch (const std::exception& ex) {
       ++n_.handler_errors;  // recorded per the failure policy: record ends in previously_failed -> DLQ
+      reason = ex.what();
+    } catch (...) {
+      ++n_.handler_errors;
     }
-    return Action::leave;
+    return action_of(idem::action_of(e));
   }
 
   void handle_batch(const std::vector<Entry>& entries) {
@@ -389,7 +402,7 @@ private:
       auto out = guard_.run(p->event_id, fingerprinted(*p), [&](const idem::Context& ctx) { return apply(*p, ctx); });
       return action_for(out, p->event_id, reason);
     } catch (...) {
-      return on_error(std::current_exception());
+      return on_error(std::current_exception(), reason);
     }
   }
 
@@ -417,10 +430,11 @@ private:
       });
       for (size_t k = 0; k < items.size(); ++k) {
         const size_t i = at[k];
-        actions[i] = res.errors[k] ? on_error(res.errors[k]) : action_for(res.outcomes[k], ps[k].event_id, reasons[i]);
+        actions[i] = res.errors[k] ? on_error(res.errors[k], reasons[i]) : action_for(res.outcomes[k], ps[k].event_id, reasons[i]);
       }
     } catch (...) {
-      on_error(std::current_exception());  // the read's acquisitions failed: nothing ran, all stay pending
+      std::string ignored;
+      on_error(std::current_exception(), ignored);  // the read's acquisitions failed: nothing ran, all stay pending
     }
   }
 

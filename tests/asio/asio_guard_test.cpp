@@ -6,10 +6,13 @@
 #include <csignal>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_future.hpp>
 
 #include "asio_factory.hpp"
 #include "idem/memory/memory_store.hpp"
@@ -267,4 +270,26 @@ TEST_CASE("AsyncRedisStore: min_replica_acks waits for the replica in the same w
   }
   CHECK(pair.replication_held());
   CHECK(store.acquire(ns + "a", idem::test::acquire_params(3)).status == idem::AcquireStatus::duplicate);
+}
+
+TEST_CASE("run_async: any completion token (a callback, use_future) on a given executor (memory)", "[asio]") {
+  idem::MemoryStore store;
+  idem::IdempotencyGuard guard{store, {.lease = 5s, .retention = 60s}};
+  asio::io_context ctx;
+  std::exception_ptr seen_error;
+  std::optional<idem::Outcome<int>> seen;
+  guard.run_async(ctx, "token-cb", "p", [] { return 7; },
+                  [&](std::exception_ptr e, idem::Outcome<int> out) {
+                    seen_error = e;
+                    seen = std::move(out);
+                  });
+  auto fut = guard.run_async(ctx.get_executor(), "token-cb", "p", [] { return 8; }, asio::use_future);
+  ctx.run();
+  CHECK_FALSE(seen_error);
+  REQUIRE(seen);
+  CHECK(seen->status == idem::Status::executed);
+  CHECK(*seen->value == 7);
+  const auto dup = fut.get();
+  CHECK(dup.status == idem::Status::duplicate);
+  CHECK(*dup.value == 7);
 }

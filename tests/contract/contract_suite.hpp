@@ -23,8 +23,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -630,7 +633,55 @@ void batch_acquire_many_in_request_order(F& f) {
   CHECK(s.inspect(a)->holder.token == 933);
 }
 
+// A store seen without complete_unavailable: the guard records an unstorable result as a
+// permanent failure, and the text stored is exactly the text the guard built (it once viewed a
+// temporary freed before the store wrote it; ASan read it).
+template <class S>
+struct WithoutCompleteUnavailable {
+  S* s;
+  AcquireResult acquire(std::string_view k, const AcquireParams& p) { return s->acquire(k, p); }
+  WriteStatus complete(std::string_view k, const Holder& h, std::string_view r, millis d) { return s->complete(k, h, r, d); }
+  WriteStatus fail(std::string_view k, const Holder& h, const FailParams& p) { return s->fail(k, h, p); }
+  WriteStatus extend(std::string_view k, const Holder& h, millis d) { return s->extend(k, h, d); }
+  std::optional<Record> inspect(std::string_view k) { return s->inspect(k); }
+};
+
+struct Unstorable {};
+inline constexpr std::string_view unstorable_why =
+    "this result has no encoding: the contract's codec refuses every value, on purpose";
+
+template <class F>
+void guard_stores_the_failure_text_it_built(F& f) {
+  auto& s = f.store();
+  WithoutCompleteUnavailable<std::remove_reference_t<decltype(s)>> plain{&s};
+  IdempotencyGuard guard(plain, GuardOptions{.lease = 30s, .retention = 60s});
+  const auto k = f.key("unstorable-text");
+  int ran = 0;
+  auto handler = [&] {
+    ++ran;
+    return Unstorable{};
+  };
+  CHECK_THROWS_AS(guard.run(k, handler), result_not_stored_error);
+  const std::string expected = "result not stored: idem: codec<T>::encode threw: " + std::string(unstorable_why) +
+                               "; fix the codec, the result was not recorded";
+  auto again = s.acquire(k, params(951));
+  CHECK(again.status == AcquireStatus::previously_failed);
+  CHECK(again.payload == expected);
+  auto out = guard.run(k, handler);
+  CHECK(out.status == Status::previously_failed);
+  CHECK(out.error == expected);
+  CHECK(ran == 1);
+}
+
 }  // namespace idem::contract
+
+template <>
+struct idem::codec<idem::contract::Unstorable> {
+  static std::string encode(const idem::contract::Unstorable&) {
+    throw std::runtime_error(std::string(idem::contract::unstorable_why));
+  }
+  static idem::contract::Unstorable decode(std::string_view) { return {}; }
+};
 
 #define IDEM_CONTRACT_CASE_(Factory, tag, name, fn) \
   TEST_CASE("contract: " name, tag "[contract]") {  \
@@ -675,6 +726,8 @@ void batch_acquire_many_in_request_order(F& f) {
   IDEM_CONTRACT_CASE_(Factory, tag, "guard race: each key runs exactly once", guard_race_exactly_once)         \
   IDEM_CONTRACT_CASE_(Factory, tag, "guard replays results and records failures",                              \
                       guard_replays_and_records_failures)                                                      \
+  IDEM_CONTRACT_CASE_(Factory, tag, "guard stores the failure text it built",                                   \
+                      guard_stores_the_failure_text_it_built)                                                  \
   IDEM_CONTRACT_CASE_(Factory, tag, "batch: every kind of item in one call", batch_mixed_items)                \
   IDEM_CONTRACT_CASE_(Factory, tag, "batch: a lapsed lease is taken over, stop at the first error",            \
                       batch_takeover_and_stop)                                                                 \

@@ -517,3 +517,31 @@ TEST_CASE("postgres: stores of different tables and a sequence store share one c
   CHECK_THROWS_AS(idem::PostgresStore(std::shared_ptr<idem::PostgresClient>(), o.store), idem::invalid_options_error);
   pgtest::Raw().exec("DROP TABLE idem_test." + other.table + ", idem_test." + seq_table);
 }
+
+TEST_CASE("postgres: transactional mode stores exactly the failure text the guard built for an unstorable result",
+          "[postgres][tx]") {
+  // The text once viewed a temporary that was freed before the store wrote it (seen under ASan).
+  pgtest::Raw raw;
+  const std::string t = "biz_" + pgtest::random_hex(8);
+  raw.exec("CREATE TABLE " + t + " (id text PRIMARY KEY)");
+  auto o = pgtest::options();
+  o.store.mode = idem::PostgresMode::transactional;
+  o.store.max_result_bytes = 16;
+  idem::PostgresStore s(o.client, o.store);
+  idem::IdempotencyGuard g(s);
+  const auto k = key("tx-unstorable");
+  auto big = [&](const auto& ctx) {
+    ctx.tx->exec("INSERT INTO " + t + " (id) VALUES ($1)", std::string_view(k));
+    return std::string(100, 'r');
+  };
+  CHECK_THROWS_AS(g.run(k, big), idem::result_not_stored_error);
+  CHECK(raw.scalar("SELECT count(*) FROM " + t) == "0");  // rolled back with the claim
+  auto rec = s.inspect(k);
+  REQUIRE(rec);
+  CHECK(rec->state == idem::State::failed);
+  CHECK(rec->permanent);
+  CHECK(rec->error == "result not stored: the encoded result is 100 bytes, over the store's limit of 16");
+  auto again = g.run(k, big);
+  CHECK(again.status == idem::Status::previously_failed);
+  CHECK(again.error == rec->error);
+}

@@ -54,20 +54,28 @@ boost::asio::awaitable<AcquireResult> step_acquire(Store& s, std::string_view ke
   else
     co_return s.acquire(key, ap);
 }
-template <class Store>
-boost::asio::awaitable<WriteStatus> step_complete(Store& s, std::string_view key, const Holder& h, std::string_view r,
-                                                  millis retention) {
-  if constexpr (AsyncStateStore<Store>)
-    co_return co_await s.async_complete(key, h, r, retention, boost::asio::use_awaitable);
-  else
-    co_return s.complete(key, h, r, retention);
-}
-template <class Store>
-boost::asio::awaitable<WriteStatus> step_fail(Store& s, std::string_view key, const Holder& h, const FailParams& f) {
-  if constexpr (AsyncStateStore<Store>)
-    co_return co_await s.async_fail(key, h, f, boost::asio::use_awaitable);
-  else
-    co_return s.fail(key, h, f);
+// A machine's holder-checked write, awaited on an async store, called inline on any other.
+template <class Store, class M>
+boost::asio::awaitable<WriteStatus> step_write(Store& s, const M& m) {
+  if constexpr (AsyncStateStore<Store>) {
+    switch (m.call()) {
+      case Call::complete:
+        co_return co_await s.async_complete(m.key(), m.holder(), m.result(), m.retention(), boost::asio::use_awaitable);
+      case Call::complete_unavailable:
+        co_return co_await s.async_complete_unavailable(m.key(), m.holder(), m.result(), m.retention(),
+                                                        boost::asio::use_awaitable);
+      default: co_return co_await s.async_fail(m.key(), m.holder(), m.fail_params(), boost::asio::use_awaitable);
+    }
+  } else {
+    switch (m.call()) {
+      case Call::complete: co_return s.complete(m.key(), m.holder(), m.result(), m.retention());
+      case Call::complete_unavailable:
+        if constexpr (CompletesUnavailable<Store>) co_return s.complete_unavailable(m.key(), m.holder(), m.result(), m.retention());
+        break;
+      default: break;
+    }
+    co_return s.fail(m.key(), m.holder(), m.fail_params());
+  }
 }
 template <class Store>
 boost::asio::awaitable<WriteStatus> step_extend(Store& s, std::string_view key, const Holder& h, millis lease) {
@@ -125,150 +133,89 @@ auto IdempotencyGuard<Store>::run_async(std::string key, std::string payload, F 
                 "idem: the handler must be callable with () or with (const idem::Context&)");
   static_assert(std::is_void_v<transaction_t<Store>>,
                 "idem: run_async does not run transactional stores (PostgresStore): use run() on a worker thread");
-  using R = std::decay_t<typename detail::awaited<std::decay_t<typename result_of<F>::type>>::type>;
+  using Returned = std::decay_t<typename result_of<F>::type>;
+  using R = std::decay_t<typename detail::awaited<Returned>::type>;
   static_assert(std::is_void_v<R> || Encodable<R>,
                 "idem: the handler's result type needs an idem::codec<T> specialisation (see codec.hpp)");
+  // The coroutine driver: performs each step the machine asks for, awaiting the store.
   return [](IdempotencyGuard* self, std::string k, std::string fp, F h) -> boost::asio::awaitable<Outcome<R>> {
-    detail::check_key(k, self->options_.max_key_bytes);
-    const GuardOptions& o = self->options_;
-    const auto started = std::chrono::steady_clock::now();
-    auto report_store_error = [&](const std::exception& e) {
-      const auto* ie = dynamic_cast<const error*>(&e);
-      const bool store_failed = dynamic_cast<const store_error*>(&e) || dynamic_cast<const corrupt_record_error*>(&e);
-      if (o.observer && store_failed && !(ie && ie->from_handler())) o.observer->on_store_error(k, e);
-    };
-    auto finish = [&](Outcome<R> out) {
-      if (o.observer)
-        o.observer->on_outcome(OutcomeEvent{k, out.status, std::chrono::steady_clock::now() - started, out.attempt,
-                                            out.takeover, out.from_cache});
-      return out;
-    };
-    if (self->cache_) {
-      if (auto hit = self->cache_->get(k)) {
-        Outcome<R> out;
-        if (!fp.empty() && !hit->fingerprint.empty() && fp != hit->fingerprint) {
-          out.status = Status::mismatch;
-        } else {
-          out.status = Status::duplicate;
-          out.value = detail::decode_result<R>(k, hit->result);
-          out.from_cache = true;
-        }
-        co_return finish(std::move(out));
-      }
-    }
-    AcquireParams ap;
-    ap.fingerprint = fp;
-    ap.lease = o.lease;
-    ap.retention = o.retention;
-    ap.owner = o.owner;
+    using detail::Next;
+    machine<R> m(self->machine_config_, k, std::move(fp));
     Store& store = *self->store_;
-
-    // acquire, waiting out an in-flight holder as run() does (timer pauses instead of sleeps)
-    AcquireResult ar;
-    const auto deadline = std::chrono::steady_clock::now() + o.wait_for_in_flight;
-    millis pause{10};
-    for (;;) {
-      ap.token = detail::random_token();
-      try {
-        ar = co_await detail::step_acquire(store, k, ap);
-      } catch (const outcome_unknown_error& e) {
-        report_store_error(e);
-        if (e.retryable()) throw;
-        throw outcome_unknown_error(std::string(e.what()) + "; the handler did not run: redeliver the message (the key "
-                                    "frees itself after the lease)", e.code(), true);
-      } catch (const std::exception& e) {
-        report_store_error(e);
-        throw;
-      }
-      if (ar.status != AcquireStatus::in_flight || o.wait_for_in_flight == millis{0} ||
-          std::chrono::steady_clock::now() >= deadline)
-        break;
-      auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
-      boost::asio::steady_timer t(co_await boost::asio::this_coro::executor);
-      t.expires_after(std::min({pause, left, std::max(ar.retry_after, millis{1})}));
-      co_await t.async_wait(boost::asio::use_awaitable);
-      pause = std::min(pause * 2, millis{200});
-    }
-    if (ar.status != AcquireStatus::acquired) co_return finish(self->template not_acquired<R>(k, fp, ar));
-
-    const Holder holder = ar.holder;
-    Outcome<R> out;
-    std::stop_source stop = o.heartbeat ? std::stop_source{} : std::stop_source{std::nostopstate};
-    context_type ctx{};
-    begin_run(ctx, out, k, ar, stop);
-    std::shared_ptr<detail::AsyncHeartbeat> hb;
-    if (o.heartbeat) {
-      auto ex = co_await boost::asio::this_coro::executor;
-      hb = std::make_shared<detail::AsyncHeartbeat>();
-      hb->timer = std::make_unique<boost::asio::steady_timer>(ex);
-      boost::asio::co_spawn(ex, detail::keep_lease(store, k, holder, o.lease, hb, stop, o.observer),
-                            boost::asio::detached);
-    }
-    auto end_heartbeat = [&] {
-      if (!hb) return;
-      hb->done = true;
-      hb->timer->cancel();
-    };
-    std::exception_ptr thrown;
-    bool stale = false;
-    try {
-      if constexpr (detail::is_awaitable_v<std::decay_t<typename result_of<F>::type>>) {
-        if constexpr (std::is_void_v<R>) {
-          co_await self->invoke(h, ctx);
-          out.value.emplace();
-        } else {
-          out.value.emplace(co_await self->invoke(h, ctx));
+    for (Next next = m.start();;) {
+      switch (next) {
+        case Next::send: {
+          std::exception_ptr failed;
+          try {
+            if (m.call() == detail::Call::acquire)
+              next = m.on_acquired(co_await detail::step_acquire(store, m.key(), m.acquire_params()));
+            else
+              next = m.on_written(co_await detail::step_write(store, m));
+          } catch (...) {
+            failed = std::current_exception();
+          }
+          if (failed) next = m.on_store_error(failed);
+          break;
         }
-      } else {
-        self->template run_handler<R>(h, ctx, out);
+        case Next::wait: {
+          boost::asio::steady_timer t(co_await boost::asio::this_coro::executor);
+          t.expires_after(m.pause());
+          co_await t.async_wait(boost::asio::use_awaitable);
+          next = m.on_waited();
+          break;
+        }
+        case Next::run_handler: {
+          std::stop_source stop = m.heartbeat() ? std::stop_source{} : std::stop_source{std::nostopstate};
+          context_type ctx{};
+          m.fill(ctx, stop.get_token());
+          std::shared_ptr<detail::AsyncHeartbeat> hb;
+          if (m.heartbeat()) {
+            auto ex = co_await boost::asio::this_coro::executor;
+            hb = std::make_shared<detail::AsyncHeartbeat>();
+            hb->timer = std::make_unique<boost::asio::steady_timer>(ex);
+            boost::asio::co_spawn(ex, detail::keep_lease(store, k, m.holder(), self->options_.lease, hb, stop,
+                                                          self->options_.observer),
+                                  boost::asio::detached);
+          }
+          if constexpr (detail::is_awaitable_v<Returned>) {
+            std::exception_ptr thrown;
+            bool stale = false;
+            try {
+              if constexpr (std::is_void_v<R>) {
+                co_await detail::invoke_handler(h, ctx);
+                next = m.on_returned();
+              } else {
+                next = m.on_returned(co_await detail::invoke_handler(h, ctx));
+              }
+            } catch (const detail::stale_signal&) {
+              stale = true;
+            } catch (...) {
+              thrown = std::current_exception();
+            }
+            if (stale) next = m.on_stale();
+            if (thrown) next = m.on_threw(thrown);
+          } else {
+            next = run_handler(m, h, ctx);
+          }
+          if (hb) {
+            hb->done = true;
+            hb->timer->cancel();
+          }
+          break;
+        }
+        case Next::done: co_return std::move(m.outcome());
+        case Next::raise: std::rethrow_exception(m.error());
       }
-    } catch (const detail::stale_signal&) {
-      stale = true;
-    } catch (...) {
-      thrown = std::current_exception();
     }
-    end_heartbeat();
-    if (stale) {
-      co_await detail::step_fail(store, k, holder, detail::stale_release(o.retention));
-      out.status = Status::stale;
-      co_return finish(std::move(out));
-    }
-    if (thrown) {
-      if (o.observer) o.observer->on_handler_error(k, thrown);
-      try {
-        co_await detail::step_fail(store, k, holder,
-                                   detail::failure_params(o.failure, o.retention, ar.attempts, detail::describe(thrown)));
-      } catch (const std::exception& e) {
-        if (o.observer) o.observer->on_store_error(k, e);
-      }
-      std::rethrow_exception(thrown);
-    }
-    std::string encoded;
-    if (auto why = self->template encode_for_store<R>(out, encoded)) {
-      WriteStatus ws;
-      if constexpr (CompletesUnavailable<Store> && !AsyncStateStore<Store>)
-        ws = store.complete_unavailable(k, holder, *why, o.retention);
-      else if constexpr (AsyncStateStore<Store>)
-        ws = co_await store.async_complete_unavailable(k, holder, *why, o.retention, boost::asio::use_awaitable);
-      else
-        ws = co_await detail::step_fail(store, k, holder, self->unstorable_failure(*why));
-      if (ws == WriteStatus::lease_lost) {
-        out.status = Status::lease_lost;
-        co_return finish(std::move(out));
-      }
-      throw result_not_stored_error("idem: the result of key '" + detail::printable(k) + "' was not stored: " + *why +
-                                    "; the key is completed without it and will not run again");
-    }
-    WriteStatus ws;
-    try {
-      ws = co_await detail::step_complete(store, k, holder, encoded, o.retention);
-    } catch (const std::exception& e) {
-      report_store_error(e);
-      throw;
-    }
-    self->template finish_run<R>(k, fp, ws, encoded, out);
-    co_return finish(std::move(out));
   }(this, std::move(key), payload.empty() ? std::string{} : fingerprint(payload), std::move(handler));
+}
+
+template <StateStore Store>
+template <class Executor, class F, class Token>
+auto IdempotencyGuard<Store>::run_async(Executor&& ex, std::string key, std::string payload, F handler,
+                                        Token&& token) {
+  return boost::asio::co_spawn(std::forward<Executor>(ex), run_async(std::move(key), std::move(payload), std::move(handler)),
+                               std::forward<Token>(token));
 }
 
 }  // namespace idem

@@ -11,7 +11,14 @@
 #include <type_traits>
 #include <typeinfo>
 
+#include <exception>
+#include <optional>
+#include <variant>
+
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
 
 namespace idem {
 
@@ -108,5 +115,43 @@ concept Encodable = requires(const T& v, std::string_view s) {
   { codec<T>::encode(v) } -> std::convertible_to<std::string>;
   { codec<T>::decode(s) } -> std::convertible_to<T>;
 };
+
+namespace detail {
+
+/// codec<R>::encode, every exception turned into a codec_error that says the result was not recorded.
+template <class R>
+std::string encode_result(const R& v) {
+  try {
+    return std::string(codec<R>::encode(v));
+  } catch (const codec_error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw codec_error(fmt::format("idem: codec<T>::encode threw: {}; fix the codec, the result was not recorded", e.what()));
+  } catch (...) {
+    throw codec_error("idem: codec<T>::encode threw a non-std exception; the result was not recorded");
+  }
+}
+
+/// codec<R>::decode of a stored result (void: std::monostate). A stored value that cannot be read
+/// must never pass for a duplicate: it is a corrupt record, so the consumer stops instead of
+/// acking a message whose result is unknown.
+template <class R>
+std::optional<std::conditional_t<std::is_void_v<R>, std::monostate, R>> decode_result(std::string_view key,
+                                                                                      std::string_view stored) {
+  if constexpr (std::is_void_v<R>) {
+    return std::monostate{};
+  } else {
+    try {
+      return codec<R>::decode(stored);
+    } catch (const std::exception& e) {
+      throw corrupt_record_error(fmt::format("idem: the stored result of key '{}' cannot be decoded ({}); the record "
+                                             "was written by another type or is damaged", printable(key), e.what()));
+    } catch (...) {
+      throw corrupt_record_error(fmt::format("idem: the stored result of key '{}' cannot be decoded", printable(key)));
+    }
+  }
+}
+
+}  // namespace detail
 
 }  // namespace idem

@@ -4,12 +4,14 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <variant>
 
+#include "idem/core/error.hpp"
 #include "idem/core/record.hpp"
 
 namespace idem {
@@ -40,6 +42,24 @@ constexpr BrokerAction broker_action(Status s) noexcept {
     case Status::previously_failed:
     case Status::mismatch: return BrokerAction::dead_letter;
     default: return BrokerAction::ack;
+  }
+}
+
+/// The broker action for an exception from run(), run_async() or a batch item (null: ack). The
+/// handler's own exceptions and store errors requeue (the failure policy and the store decide the
+/// redelivery: in_flight while backing off, previously_failed once permanent); a result that ran
+/// but could not be stored acks (the key is completed: it never runs again); a bad key
+/// dead-letters (no redelivery can fix it). Agrees with error::retryable() for idem's errors.
+inline BrokerAction action_of(const std::exception_ptr& e) noexcept {
+  if (!e) return BrokerAction::ack;
+  try {
+    std::rethrow_exception(e);
+  } catch (const result_not_stored_error&) {
+    return BrokerAction::ack;
+  } catch (const invalid_key_error&) {
+    return BrokerAction::dead_letter;
+  } catch (...) {
+    return BrokerAction::requeue;
   }
 }
 

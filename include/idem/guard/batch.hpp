@@ -38,16 +38,7 @@ struct BatchOutcome {
   /// say otherwise (result_not_stored_error: the effect ran and will not run again, ack;
   /// invalid_key_error: no redelivery can help, dead-letter).
   [[nodiscard]] BrokerAction action(std::size_t i) const {
-    if (!errors[i]) return outcomes[i].action();
-    try {
-      std::rethrow_exception(errors[i]);
-    } catch (const result_not_stored_error&) {
-      return BrokerAction::ack;
-    } catch (const invalid_key_error&) {
-      return BrokerAction::dead_letter;
-    } catch (...) {
-      return BrokerAction::requeue;
-    }
+    return errors[i] ? action_of(errors[i]) : outcomes[i].action();
   }
   /// How many leading items are settled (action ack or dead_letter): a consumer with offsets
   /// (Kafka) may commit up to there once it has dead-lettered those that ask for it.
