@@ -17,6 +17,7 @@
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
 #include "idem/core/error.hpp"
@@ -112,7 +113,7 @@ private:
       if (ec || gen != self->generation_) return;
       self->timer_armed_ = false;
       if (self->state_ == State::connecting)
-        self->connect_failed("no connection within connect_timeout (" + ms(self->opt_.connect_timeout) + ")");
+        self->connect_failed(fmt::format("no connection within connect_timeout ({})", ms(self->opt_.connect_timeout)));
       else
         self->arm_timer();
     });
@@ -159,7 +160,7 @@ private:
   void connect_failed(const std::string& why) {
     drop_socket();
     state_ = State::idle;
-    const std::string text = "cannot connect to Redis at " + where_ + ": " + why;
+    const std::string text = fmt::format("cannot connect to Redis at {}: {}", where_, why);
     // Nothing queued was written on this connection: a first sending never ran; a resend's first
     // sending may have, so its outcome stays unknown.
     auto queued = std::move(queued_);
@@ -168,7 +169,9 @@ private:
       if (op->resent)
         op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, ""); }), nullptr);
       else
-        op->finish(capture([&] { throw connection_error("idem: " + text + "; is it running there? retry later", "", true); }),
+        op->finish(capture([&] {
+                     throw connection_error(fmt::format("idem: {}; is it running there? retry later", text), "", true);
+                   }),
                    nullptr);
     }
   }
@@ -218,9 +221,10 @@ private:
                      [self = shared_from_this(), gen = generation_](boost::system::error_code ec, std::size_t) {
                        if (gen != self->generation_) return;
                        self->writing_ = false;
-                       if (ec) return self->broken({"connection to Redis at " + self->where_ +
-                                                        " broke while sending: " + ec.message(),
-                                                    false});
+                       if (ec)
+                         return self->broken({fmt::format("connection to Redis at {} broke while sending: {}",
+                                                          self->where_, ec.message()),
+                                              false});
                        self->write();
                      });
   }
@@ -231,7 +235,7 @@ private:
       if (gen != self->generation_) return;
       if (ec) {
         const std::string why = ec == net::error::eof ? "the server closed it" : ec.message();
-        return self->broken({"connection to Redis at " + self->where_ + " broke: " + why, false});
+        return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, why), false});
       }
       self->received(n);
     });
@@ -240,15 +244,16 @@ private:
   void received(std::size_t n) {
     const auto gen = generation_;
     if (redisReaderFeed(reader_.get(), rbuf_.data(), n) != REDIS_OK)
-      return broken({"Redis at " + where_ + " sent bytes that are not RESP", false});
+      return broken({fmt::format("Redis at {} sent bytes that are not RESP", where_), false});
     for (;;) {
       void* raw = nullptr;
       if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK)
-        return broken({"Redis at " + where_ + " sent a reply that is not RESP: " +
-                            std::string(reader_error(reader_->err, reader_->errstr)), false});
+        return broken({fmt::format("Redis at {} sent a reply that is not RESP: {}", where_,
+                                   reader_error(reader_->err, reader_->errstr)),
+                       false});
       if (raw == nullptr) break;
       ReplyPtr reply(static_cast<redisReply*>(raw));
-      if (inflight_.empty()) return broken({"Redis at " + where_ + " sent a reply to no request", false});
+      if (inflight_.empty()) return broken({fmt::format("Redis at {} sent a reply to no request", where_), false});
       Op& front = *inflight_.front();
       if (front.waits && !front.script_reply) {  // the script's reply; its WAIT's comes next
         front.script_reply = std::move(reply);
@@ -282,7 +287,7 @@ private:
       ++reloads_;
       auto load = std::make_unique<Internal>();
       load->internal = true;
-      load->what = "SCRIPT LOAD of " + std::string(script(op->script).name);
+      load->what = fmt::format("SCRIPT LOAD of {}", script(op->script).name);
       load->bytes.assign(Command().arg("SCRIPT").arg("LOAD").arg(script(op->script).source).format().view());
       op->reloaded = true;
       queued_.push_front(std::move(op));
@@ -317,8 +322,8 @@ private:
       self->timer_armed_ = false;
       if (self->inflight_.empty()) return;
       if (self->inflight_.front()->deadline <= Clock::now())
-        return self->broken({"Redis at " + self->where_ + " did not answer within command_timeout (" +
-                                 ms(self->opt_.command_timeout) + ")",
+        return self->broken({fmt::format("Redis at {} did not answer within command_timeout ({})", self->where_,
+                                         ms(self->opt_.command_timeout)),
                              true});
       self->arm_timer();
     });

@@ -7,6 +7,8 @@
 #include <future>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "connection.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
@@ -19,8 +21,8 @@ namespace {
 RedisOptions checked(RedisOptions o) {
   o = resolve_options(std::move(o));
   auto refuse = [](const char* what) {
-    throw invalid_options_error(std::string("idem: AsyncRedisStore does not support ") + what +
-                                " yet; use RedisStore (blocking) for it");
+    throw invalid_options_error(
+        fmt::format("idem: AsyncRedisStore does not support {} yet; use RedisStore (blocking) for it", what));
   };
   if (!o.cluster_nodes.empty()) refuse("Redis Cluster (redis-cluster://, RedisOptions::cluster_nodes)");
   if (!o.sentinels.empty()) refuse("Sentinel (redis-sentinel://, RedisOptions::sentinels)");
@@ -53,7 +55,7 @@ std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s
 }
 
 std::string what_of(Script s, std::string_view key) {
-  return std::string(script(s).name) + " of key '" + detail::printable(key) + "'";
+  return fmt::format("{} of key '{}'", script(s).name, detail::printable(key));
 }
 
 }  // namespace

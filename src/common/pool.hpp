@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/core/pool_options.hpp"
 
@@ -25,9 +27,11 @@ namespace idem::detail {
 /// Checks PoolOptions for `owner` ("RedisOptions", "PostgresOptions"); invalid_options_error names the field.
 inline void check_pool_options(const PoolOptions& o, const char* owner) {
   if (o.size == 0)
-    throw invalid_options_error(std::string("idem: ") + owner + "::pool.size is 0; every call needs a connection, use at least 1");
+    throw invalid_options_error(
+        fmt::format("idem: {}::pool.size is 0; every call needs a connection, use at least 1", owner));
   if (o.wait < millis{0})
-    throw invalid_options_error(std::string("idem: ") + owner + "::pool.wait is negative; use 0 to fail at once when the pool is busy");
+    throw invalid_options_error(
+        fmt::format("idem: {}::pool.wait is negative; use 0 to fail at once when the pool is busy", owner));
 }
 
 template <class Traits>
@@ -49,9 +53,9 @@ public:
       if (auto c = take_idle(lock)) return std::move(*c);
       if (open_ < options_.size) return open_new(lock);
       if (!cv_.wait_until(lock, deadline, [&] { return !idle_.empty() || open_ < options_.size; }))
-        throw timeout_error("idem: all " + std::to_string(options_.size) + " connections to " + what_ +
-                                " stayed busy for " + std::to_string(options_.wait.count()) +
-                                " ms; raise pool.size to match the calling threads (or pool.wait)",
+        throw timeout_error(fmt::format("idem: all {} connections to {} stayed busy for {} ms; raise pool.size to "
+                                        "match the calling threads (or pool.wait)",
+                                        options_.size, what_, options_.wait.count()),
                             "POOL", true);
     }
   }

@@ -2,8 +2,10 @@
 
 #include "idem/outbox/redis_streams_publisher.hpp"
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -46,13 +48,12 @@ struct RedisStreamsPublisher::Impl {
   }
 
   std::string where() const {
-    return opt.redis.unix_socket.empty() ? opt.redis.host + ":" + std::to_string(opt.redis.port) : opt.redis.unix_socket;
+    return opt.redis.unix_socket.empty() ? fmt::format("{}:{}", opt.redis.host, opt.redis.port) : opt.redis.unix_socket;
   }
 
   [[noreturn]] void broken(const std::string& what) {
-    const std::string m = "idem: redis-streams publisher (" + where() + "): " + what +
-                          (c && c->err ? std::string(": ") + c->errstr : std::string()) +
-                          "; the relay retries after its backoff";
+    const std::string m = fmt::format("idem: redis-streams publisher ({}): {}{}; the relay retries after its backoff",
+                                      where(), what, c && c->err ? fmt::format(": {}", c->errstr) : std::string());
     close();
     throw publish_error(m, true);
   }
@@ -69,7 +70,7 @@ struct RedisStreamsPublisher::Impl {
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string m(r->str, r->len);
       close();
-      throw publish_error("idem: redis-streams publisher (" + where() + "): " + m, true);
+      throw publish_error(fmt::format("idem: redis-streams publisher ({}): {}", where(), m), true);
     }
     return r;
   }
@@ -136,10 +137,11 @@ struct RedisStreamsPublisher::Impl {
       if (redisGetReply(c, &raw) != REDIS_OK || !raw) broken("connection lost during XADD");
       Reply r(static_cast<redisReply*>(raw));
       if (r->type == REDIS_REPLY_ERROR && first_error.empty())
-        first_error = "XADD " + opt.stream_prefix + batch[i].destination + ": " + std::string(r->str, r->len);
+        first_error =
+            fmt::format("XADD {}{}: {}", opt.stream_prefix, batch[i].destination, std::string_view(r->str, r->len));
     }
     if (!first_error.empty())
-      throw publish_error("idem: redis-streams publisher (" + where() + "): " + first_error, true);
+      throw publish_error(fmt::format("idem: redis-streams publisher ({}): {}", where(), first_error), true);
   }
 };
 

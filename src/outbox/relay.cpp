@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/outbox/writer.hpp"
 #include "idem/postgres/store.hpp"
@@ -47,8 +49,9 @@ std::string first_line(const char* m) {
 // answered a store_error with its SQLSTATE; all retryable (the relay only ever tries again).
 [[noreturn]] void fail(std::string_view what, const PGresult* r, PGconn* c) {
   const char* state = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : nullptr;
-  const std::string msg = "idem: outbox relay " + std::string(what) + ": " +
-                          first_line(r && *PQresultErrorMessage(r) ? PQresultErrorMessage(r) : PQerrorMessage(c));
+  const std::string msg =
+      fmt::format("idem: outbox relay {}: {}", what,
+                  first_line(r && *PQresultErrorMessage(r) ? PQresultErrorMessage(r) : PQerrorMessage(c)));
   if (PQstatus(c) != CONNECTION_OK || !state) throw connection_error(msg, state ? state : "08006", true);
   throw store_error(msg, state, true);
 }
@@ -66,7 +69,7 @@ std::string bytes(const PGresult* r, int row, int col) {
 
 std::int64_t integer(const PGresult* r, int row, int col, int width) {
   if (PQgetisnull(r, row, col) || PQgetlength(r, row, col) != width)
-    throw corrupt_record_error("idem: outbox row with an unexpected column " + std::to_string(col));
+    throw corrupt_record_error(fmt::format("idem: outbox row with an unexpected column {}", col));
   return be(PQgetvalue(r, row, col), width);
 }
 
@@ -102,7 +105,7 @@ std::string seq_array(const std::vector<std::int64_t>& seqs) {
 const char* const now_ms = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
 OutboxRelayOptions checked(OutboxRelayOptions o) {
-  auto bad = [](const std::string& m) { throw invalid_options_error("idem: OutboxRelayOptions::" + m); };
+  auto bad = [](const std::string& m) { throw invalid_options_error(fmt::format("idem: OutboxRelayOptions::{}", m)); };
   if (o.batch < 1 || o.batch > 10'000) bad("batch must be 1..10000");
   if (o.poll_interval <= millis{0}) bad("poll_interval must be > 0 (the fallback when a NOTIFY is lost)");
   if (o.backoff_initial <= millis{0}) bad("backoff_initial must be > 0");
@@ -148,7 +151,7 @@ struct OutboxRelay::Impl {
     if (PQstatus(c) != CONNECTION_OK) {
       const std::string m = first_line(PQerrorMessage(c));
       PQfinish(c);
-      throw connection_error("idem: outbox relay cannot connect to PostgreSQL: " + m, "08001", true);
+      throw connection_error(fmt::format("idem: outbox relay cannot connect to PostgreSQL: {}", m), "08001", true);
     }
     PQsetNoticeProcessor(c, [](void*, const char*) {}, nullptr);
     const std::string setup = "SET statement_timeout = " + std::to_string(opt.postgres.statement_timeout.count());

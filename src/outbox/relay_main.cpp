@@ -9,6 +9,8 @@
 #include <fstream>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "idem/outbox/redis_streams_publisher.hpp"
 #include "idem/outbox/relay.hpp"
 
@@ -44,8 +46,7 @@ const char* const help =
 long number(const std::string& k, const std::string& v, long lo, long hi) {
   char* end = nullptr;
   const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo || n > hi)
-    usage(k + " must be a number in " + std::to_string(lo) + ".." + std::to_string(hi));
+  if (v.empty() || *end != '\0' || n < lo || n > hi) usage(fmt::format("{} must be a number in {}..{}", k, lo, hi));
   return n;
 }
 
@@ -65,13 +66,14 @@ int main(int argc, char** argv) try {
       once = true;
       continue;
     }
-    if (i + 1 >= argc) usage("missing value of " + k);
+    if (i + 1 >= argc) usage(fmt::format("missing value of {}", k));
     const std::string v = argv[++i];
     if (k == "--conninfo") {
       ro.postgres.conninfo = v;
     } else if (k == "--conninfo-file") {
       std::ifstream in(v);
-      if (!in || !std::getline(in, ro.postgres.conninfo) || ro.postgres.conninfo.empty()) usage("no conninfo in " + v);
+      if (!in || !std::getline(in, ro.postgres.conninfo) || ro.postgres.conninfo.empty())
+        usage(fmt::format("no conninfo in {}", v));
     } else if (k == "--schema") {
       ro.schema = v;
     } else if (k == "--table") {
@@ -89,7 +91,7 @@ int main(int argc, char** argv) try {
     } else if (k == "--retention-ms") {
       ro.retention = idem::millis{number(k, v, 0, 1L << 40)};
     } else {
-      usage("unknown option " + k);
+      usage(fmt::format("unknown option {}", k));
     }
   }
   if (ro.postgres.conninfo.empty()) usage("give --conninfo or --conninfo-file");

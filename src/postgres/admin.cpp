@@ -6,8 +6,10 @@
 #include <charconv>
 #include <cstdlib>
 
+#include <fmt/format.h>
 #include <libpq-fe.h>
 
+#include "errors.hpp"
 #include "idem/core/error.hpp"
 
 namespace idem {
@@ -47,8 +49,10 @@ struct PostgresAdmin::Impl {
   PostgresStoreOptions store;
 
   Impl(const PostgresOptions& o, PostgresStoreOptions s) : store(std::move(s)) {
-    if (!valid_ident(store.schema)) throw invalid_options_error("idem: schema '" + store.schema + "' is not [a-z_][a-z0-9_]*");
-    if (!valid_ident(store.table)) throw invalid_options_error("idem: table '" + store.table + "' is not [a-z_][a-z0-9_]*");
+    if (!valid_ident(store.schema))
+      throw invalid_options_error(fmt::format("idem: schema '{}' is not [a-z_][a-z0-9_]*", store.schema));
+    if (!valid_ident(store.table))
+      throw invalid_options_error(fmt::format("idem: table '{}' is not [a-z_][a-z0-9_]*", store.table));
     qt = "\"" + store.schema + "\".\"" + store.table + "\"";
     char* err = nullptr;
     PQconninfoOption* parsed = PQconninfoParse(o.conninfo.c_str(), &err);
@@ -56,16 +60,15 @@ struct PostgresAdmin::Impl {
       std::string why = err ? err : "unparsable";
       if (err) PQfreemem(err);
       while (!why.empty() && why.back() == '\n') why.pop_back();
-      throw invalid_options_error("idem: bad PostgreSQL URL or conninfo: " + why);
+      throw invalid_options_error(fmt::format("idem: bad PostgreSQL URL or conninfo: {}", why));
     }
     PQconninfoFree(parsed);
     pg = PQconnectdb(o.conninfo.c_str());
     if (PQstatus(pg) != CONNECTION_OK) {
-      std::string why = PQerrorMessage(pg);
+      const connection_error e = detail::connect_failure(PQerrorMessage(pg));
       PQfinish(pg);
       pg = nullptr;
-      while (!why.empty() && why.back() == '\n') why.pop_back();
-      throw connection_error("idem: cannot connect to PostgreSQL: " + why);
+      throw e;
     }
   }
   ~Impl() {
@@ -90,19 +93,21 @@ struct PostgresAdmin::Impl {
                 PQclear);
     const auto st = PQresultStatus(r.get());
     if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK) return r;
-    if (PQstatus(pg) != CONNECTION_OK) throw connection_error(std::string("idem: PostgreSQL connection lost: ") + PQerrorMessage(pg));
+    if (PQstatus(pg) != CONNECTION_OK)
+      throw connection_error(fmt::format("idem: PostgreSQL connection lost: {}", PQerrorMessage(pg)));
     const char* code = PQresultErrorField(r.get(), PG_DIAG_SQLSTATE);
     const std::string sqlstate = code ? code : "";
     std::string msg = PQresultErrorMessage(r.get());
     while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
     if (sqlstate == "42P01" || sqlstate == "3F000")
-      throw store_error("idem: no idem table " + qt + " (" + msg +
-                            "): check --schema/--table, or let a store create it (auto_migrate)",
+      throw store_error(fmt::format("idem: no idem table {} ({}): check --schema/--table, or let a store create it "
+                                    "(auto_migrate)",
+                                    qt, msg),
                         sqlstate, false);
     if (sqlstate == "42501")
-      throw store_error("idem: permission denied on " + qt + " (" + msg + "): grant the tool's user the privilege",
+      throw store_error(fmt::format("idem: permission denied on {} ({}): grant the tool's user the privilege", qt, msg),
                         sqlstate, false);
-    throw store_error("idem: " + msg, sqlstate, false);
+    throw store_error(fmt::format("idem: {}", msg), sqlstate, false);
   }
 
   static std::string get(const PGresult* r, int row, int col) {
@@ -118,7 +123,7 @@ struct PostgresAdmin::Impl {
     AdminRecord a;
     a.key = unhex(get(r, i, 0));
     const auto st = to_i64(get(r, i, 1));
-    if (st < 1 || st > 3) throw corrupt_record_error("idem: record '" + a.key + "' has state " + std::to_string(st));
+    if (st < 1 || st > 3) throw corrupt_record_error(fmt::format("idem: record '{}' has state {}", a.key, st));
     a.record.state = static_cast<State>(st);
     a.record.holder.fence = static_cast<std::uint64_t>(to_i64(get(r, i, 2)));
     a.record.owner = get(r, i, 3);
@@ -204,8 +209,9 @@ ReleaseResult PostgresAdmin::release(std::string_view key, std::uint64_t fence, 
       "owner = '', error = convert_to($4, 'UTF8') FROM c WHERE t.key = $1 AND t.fence = $2 AND t.expires_at > c.ms AND "
       "(t.state = 3 OR (t.state = 1 AND ($3 OR t.lease_until <= c.ms))) RETURNING 1) "
       "SELECT (SELECT count(*) FROM u), cur.state, cur.fence, cur.lease_until <= c.ms FROM c LEFT JOIN cur ON true";
-  auto r = impl_->exec(sql, {std::string(key), std::to_string(fence), force ? "true" : "false",
-                             "released by idem release (fence " + std::to_string(fence) + ")"},
+  auto r = impl_->exec(sql,
+                       {std::string(key), std::to_string(fence), force ? "true" : "false",
+                        fmt::format("released by idem release (fence {})", fence)},
                        {0});
   ReleaseResult out;
   const auto done = to_i64(Impl::get(r.get(), 0, 0));
@@ -279,16 +285,16 @@ std::vector<Finding> PostgresAdmin::doctor() {
   const auto version = to_i64(scalar("SHOW server_version_num"));
   const std::string version_text = scalar("SHOW server_version");
   if (version < 120000)
-    add(Severity::error, "version", "PostgreSQL " + version_text + ": idem needs 12 or later (MATERIALIZED CTEs)",
-        "upgrade PostgreSQL");
+    add(Severity::error, "version",
+        fmt::format("PostgreSQL {}: idem needs 12 or later (MATERIALIZED CTEs)", version_text), "upgrade PostgreSQL");
   else
-    add(Severity::ok, "version", "PostgreSQL " + version_text);
+    add(Severity::ok, "version", fmt::format("PostgreSQL {}", version_text));
 
   const std::string& schema = impl_->store.schema;
   const std::string& table = impl_->store.table;
   const bool has_table = scalar("SELECT to_regclass($1) IS NOT NULL", {impl_->qt}) == "t";
   if (!has_table) {
-    add(Severity::error, "schema", "no table " + impl_->qt + ": no store has run here with these names",
+    add(Severity::error, "schema", fmt::format("no table {}: no store has run here with these names", impl_->qt),
         "check --schema/--table, or start a store once (auto_migrate) or call PostgresStore::migrate()");
   } else {
     const bool has_versions = scalar("SELECT to_regclass($1) IS NOT NULL", {"\"" + schema + "\".idem_schema_version"}) == "t";
@@ -298,56 +304,61 @@ std::vector<Finding> PostgresAdmin::doctor() {
                                        : std::string();
     const auto have = v.empty() ? 0 : to_i64(v);
     if (have == PostgresStore::schema_version)
-      add(Severity::ok, "schema", "schema version " + v);
+      add(Severity::ok, "schema", fmt::format("schema version {}", v));
     else if (have > PostgresStore::schema_version)
-      add(Severity::error, "schema", "schema version " + v + " is newer than this idem's " +
-                                         std::to_string(PostgresStore::schema_version) + ": stores of this version refuse it",
+      add(Severity::error, "schema",
+          fmt::format("schema version {} is newer than this idem's {}: stores of this version refuse it", v,
+                      PostgresStore::schema_version),
           "upgrade idem");
     else
-      add(Severity::error, "schema", "schema version " + (v.empty() ? std::string("unknown") : v) + ", this idem expects " +
-                                         std::to_string(PostgresStore::schema_version),
+      add(Severity::error, "schema",
+          fmt::format("schema version {}, this idem expects {}", v.empty() ? std::string("unknown") : v,
+                      PostgresStore::schema_version),
           "run PostgresStore::migrate() (or start a store with auto_migrate)");
     const bool index = scalar("SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 AND indexname = $3",
                               {schema, table, table + "_purge_idx"}) == "1";
     if (index)
-      add(Severity::ok, "retention index", table + "_purge_idx present");
+      add(Severity::ok, "retention index", fmt::format("{}_purge_idx present", table));
     else
       add(Severity::warning, "retention index",
-          "no index " + table + "_purge_idx on purge_after: every purge scans the whole table",
-          "CREATE INDEX " + table + "_purge_idx ON " + impl_->qt + " (purge_after)");
+          fmt::format("no index {}_purge_idx on purge_after: every purge scans the whole table", table),
+          fmt::format("CREATE INDEX {}_purge_idx ON {} (purge_after)", table, impl_->qt));
     const std::string privs = scalar("SELECT has_table_privilege(current_user, $1, 'SELECT') AND "
                                      "has_table_privilege(current_user, $1, 'INSERT') AND "
                                      "has_table_privilege(current_user, $1, 'UPDATE') AND "
                                      "has_table_privilege(current_user, $1, 'DELETE')",
                                      {impl_->qt});
     if (privs != "t")
-      add(Severity::error, "privileges", "user " + scalar("SELECT current_user") + " lacks SELECT, INSERT, UPDATE or DELETE on " + impl_->qt,
-          "GRANT SELECT, INSERT, UPDATE, DELETE ON " + impl_->qt + " TO <the application's user>");
+      add(Severity::error, "privileges",
+          fmt::format("user {} lacks SELECT, INSERT, UPDATE or DELETE on {}", scalar("SELECT current_user"), impl_->qt),
+          fmt::format("GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <the application's user>", impl_->qt));
     auto b = impl_->exec("SELECT n_live_tup, n_dead_tup, coalesce(greatest(last_autovacuum, last_vacuum)::text, 'never'), "
                          "pg_total_relation_size(relid) FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2",
                          {schema, table});
     if (PQntuples(b.get()) == 1) {
       const auto live = to_i64(Impl::get(b.get(), 0, 0)), dead = to_i64(Impl::get(b.get(), 0, 1));
-      const std::string size = std::to_string(to_i64(Impl::get(b.get(), 0, 3)) / 1024) + " KiB";
+      const std::string size = fmt::format("{} KiB", to_i64(Impl::get(b.get(), 0, 3)) / 1024);
       if (dead > 10000 && dead > live / 5)
-        add(Severity::warning, "bloat", std::to_string(dead) + " dead rows against " + std::to_string(live) + " live (" +
-                                            size + ", last vacuum " + Impl::get(b.get(), 0, 2) + "): acquires slow down",
-            "VACUUM " + impl_->qt + "; lower autovacuum_vacuum_scale_factor for this table");
+        add(Severity::warning, "bloat",
+            fmt::format("{} dead rows against {} live ({}, last vacuum {}): acquires slow down", dead, live, size,
+                        Impl::get(b.get(), 0, 2)),
+            fmt::format("VACUUM {}; lower autovacuum_vacuum_scale_factor for this table", impl_->qt));
       else
-        add(Severity::ok, "bloat", std::to_string(dead) + " dead rows, " + std::to_string(live) + " live, " + size);
+        add(Severity::ok, "bloat", fmt::format("{} dead rows, {} live, {}", dead, live, size));
     }
     const auto expired = to_i64(scalar("SELECT count(*) FROM " + impl_->qt +
                                        " WHERE purge_after <= floor(extract(epoch FROM clock_timestamp()) * 1000)"));
     if (expired > 100000)
-      add(Severity::warning, "purge", std::to_string(expired) + " expired rows wait for purge",
+      add(Severity::warning, "purge", fmt::format("{} expired rows wait for purge", expired),
           "run `idem purge` from cron, or PostgresStore::purge_expired() on a timer");
     else if (expired > 0)
-      add(Severity::info, "purge", std::to_string(expired) + " expired rows wait for purge", "idem purge");
+      add(Severity::info, "purge", fmt::format("{} expired rows wait for purge", expired), "idem purge");
   }
 
   const std::string fsync = scalar("SHOW fsync");
   if (fsync != "on")
-    add(Severity::error, "fsync", "fsync is " + fsync + ": a server crash can corrupt the table or lose committed records",
+    add(Severity::error, "fsync",
+        fmt::format("fsync is {}: a server crash can corrupt the table or lose committed records", fsync),
         "fsync = on in postgresql.conf");
   const std::string sc = scalar("SHOW synchronous_commit");
   if (sc == "off")

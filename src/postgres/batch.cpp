@@ -31,6 +31,8 @@
 #include <unordered_map>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/detail/validate.hpp"
 #include "store_impl.hpp"
@@ -156,8 +158,7 @@ void StoreImpl::acquire_distinct(std::span<const AcquireRequest> requests, const
       for (int row = 0; row < PQntuples(r); ++row) {
         const std::int64_t i = be_int(r, row, 0, 8);
         if (i < 1 || static_cast<std::size_t>(i) > n || seen[static_cast<std::size_t>(i - 1)])
-          throw corrupt_record_error("idem: postgres acquire_many answered key " + std::to_string(i) + " of " +
-                                     std::to_string(n));
+          throw corrupt_record_error(fmt::format("idem: postgres acquire_many answered key {} of {}", i, n));
         seen[static_cast<std::size_t>(i - 1)] = true;
         const std::size_t k = idx[at + static_cast<std::size_t>(i - 1)];
         out[k] = decode_acquire_row(r, row, 1, requests[k].params.token);
@@ -261,9 +262,10 @@ void PostgresStore::BatchWriter::complete(std::string_view key, const Holder& h,
                                           millis retention) {
   detail::StoreImpl& s = *impl_->store;
   if (result.size() > s.opt.max_result_bytes)
-    throw usage_error("idem: a result of " + std::to_string(result.size()) +
-                      " bytes is over PostgresStoreOptions::max_result_bytes (" + std::to_string(s.opt.max_result_bytes) +
-                      "); nothing was written, use complete_unavailable");
+    throw usage_error(
+        fmt::format("idem: a result of {} bytes is over PostgresStoreOptions::max_result_bytes ({}); "
+                    "nothing was written, use complete_unavailable",
+                    result.size(), s.opt.max_result_bytes));
   auto& w = impl_->writes.emplace_back();
   try {
     w.st = detail::kComplete;

@@ -6,6 +6,8 @@
 // the one the lost reply carried, never a blind second write, a false in_flight / lease_lost, or a
 // re-run of the handler.
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "store_impl.hpp"
 
@@ -59,9 +61,10 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
 }
 
 [[noreturn]] void throw_unknown(std::string_view what, const std::string& first, const std::string& second) {
-  throw outcome_unknown_error("idem: postgres " + std::string(what) + ": the connection was lost after the request was sent (" +
-                                  first + ") and asking again as the same holder failed (" + second +
-                                  "); the outcome is unknown: inspect the key before redelivering",
+  throw outcome_unknown_error(fmt::format("idem: postgres {}: the connection was lost after the request was sent ({}) "
+                                          "and asking again as the same holder failed ({}); the outcome is unknown: "
+                                          "inspect the key before redelivering",
+                                          what, first, second),
                               "08006");
 }
 
@@ -183,7 +186,7 @@ void StoreImpl::settle(std::span<const Call> calls, std::span<Reply> replies, st
   }
   for (std::size_t k = 0; k < open.size(); ++k)
     if (second[k].fate != Fate::answered)
-      throw connection_error("idem: postgres " + std::string(what) + " failed: " + second[k].why + " (connection lost)",
+      throw connection_error(fmt::format("idem: postgres {} failed: {} (connection lost)", what, second[k].why),
                              "08006", true);
 }
 
@@ -215,8 +218,8 @@ PostgresResult StoreImpl::exchange(Stmt st, Stmt again, const Params& p, std::st
   }
   if (second.fate == Fate::answered) return std::move(second.result);
   if (doubt || (writes && second.fate == Fate::in_doubt)) throw_unknown(what, first.why, second.why);
-  throw connection_error("idem: postgres " + std::string(what) + " failed: " + second.why + " (connection lost)",
-                         "08006", true);
+  throw connection_error(fmt::format("idem: postgres {} failed: {} (connection lost)", what, second.why), "08006",
+                         true);
 }
 
 PostgresResult StoreImpl::run(Stmt st, Stmt again, const Params& p, std::string_view what, bool writes) {

@@ -8,6 +8,8 @@
 #include <cerrno>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 
 namespace idem {
@@ -24,7 +26,7 @@ ConnectionTraits::connection ConnectionTraits::connect() {
   if (!raw) throw connection_error("idem: postgres: out of memory creating a connection", "08001", true);
   auto c = std::make_unique<Connection>(raw);
   if (PQstatus(raw) != CONNECTION_OK)
-    throw connection_error("idem: cannot connect to PostgreSQL: " + first_line(PQerrorMessage(raw)), "08001", true);
+    throw connect_failure(PQerrorMessage(raw));
   // Server notices (IF NOT EXISTS skips, ...) are not the caller's business: no stderr noise.
   PQsetNoticeProcessor(
       raw, [](void*, const char*) {}, nullptr);
@@ -76,7 +78,7 @@ std::uint32_t ClientImpl::statement_set(const std::string& key) {
 }
 
 ClientImpl& ClientAccess::of(const std::shared_ptr<PostgresClient>& c, const char* owner) {
-  if (!c) throw invalid_options_error(std::string("idem: ") + owner + " needs a PostgresClient, got a null pointer");
+  if (!c) throw invalid_options_error(fmt::format("idem: {} needs a PostgresClient, got a null pointer", owner));
   return *c->impl_;
 }
 

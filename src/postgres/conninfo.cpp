@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "idem/core/error.hpp"
 
@@ -16,7 +18,7 @@ namespace idem::detail {
 namespace {
 
 [[noreturn]] void bad(const std::string& why, std::string_view fix) {
-  throw invalid_options_error("idem: PostgresOptions::conninfo: " + why + "; " + std::string(fix));
+  throw invalid_options_error(fmt::format("idem: PostgresOptions::conninfo: {}; {}", why, fix));
 }
 
 // libpq checks these values only when it connects, and then fails as a connection error.
@@ -42,9 +44,7 @@ bool one_of(std::string_view v, std::initializer_list<std::string_view> allowed)
 }
 
 void check_value(std::string_view key, std::string_view v) {
-  const auto say = [&](std::string_view fix) {
-    bad("'" + std::string(key) + "' is '" + std::string(v.substr(0, 80)) + "'", fix);
-  };
+  const auto say = [&](std::string_view fix) { bad(fmt::format("'{}' is '{}'", key, v.substr(0, 80)), fix); };
   if (key == "port" && !valid_port_list(v)) say("use a port number 1..65535 (a comma-separated list for several hosts)");
   if (key == "sslmode" && !one_of(v, {"disable", "allow", "prefer", "require", "verify-ca", "verify-full"}))
     say("use disable, allow, prefer, require, verify-ca or verify-full");

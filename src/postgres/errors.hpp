@@ -8,6 +8,8 @@
 #include <string>
 #include <string_view>
 
+#include "idem/core/error.hpp"
+
 namespace idem::detail {
 
 // [a-z_][a-z0-9_]*, 1..max bytes: safe to splice into SQL between double quotes.
@@ -23,6 +25,10 @@ inline std::string schema_lock_key(std::string_view schema) { return "idem:" + s
 
 // A libpq message without its trailing newline (libpq ends every message with one).
 std::string first_line(const char* msg);
+
+/// The error of a connection libpq could not open: retryable unless no retry can fix it (a TLS
+/// check, an authentication refusal), which says what to fix.
+connection_error connect_failure(const char* libpq_message);
 
 // The SQLSTATE of a failed result, or "" (no result, or none reported).
 std::string sqlstate_of(const PGresult* r);

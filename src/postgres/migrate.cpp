@@ -5,6 +5,8 @@
 #include <iterator>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "store_impl.hpp"
 
@@ -59,9 +61,8 @@ void StoreImpl::migrate_on(PGconn* c) {
       std::from_chars(s.data(), s.data() + s.size(), have);
     }
     if (have > PostgresStore::schema_version)
-      throw store_error("idem: table " + qt + " has schema version " + std::to_string(have) +
-                            ", newer than this library's " + std::to_string(PostgresStore::schema_version) +
-                            "; upgrade idem",
+      throw store_error(fmt::format("idem: table {} has schema version {}, newer than this library's {}; upgrade idem",
+                                    qt, have, PostgresStore::schema_version),
                         "", false);
     // Each version's script in turn: a new table gets 1 then 2, a version-1 table only 2.
     const char* const scripts[] = {pg_schema_v1_sql, pg_schema_v2_sql};
@@ -71,7 +72,7 @@ void StoreImpl::migrate_on(PGconn* c) {
       replace_all(sql, "@S@", qs);
       replace_all(sql, "@T@", quote_ident(opt.table));
       replace_all(sql, "@P@", opt.table);
-      exec_simple(c, sql.c_str(), "migrate (schema v" + std::to_string(step) + ")", store_missing);
+      exec_simple(c, sql.c_str(), fmt::format("migrate (schema v{})", step), store_missing);
     }
     if (have < PostgresStore::schema_version) {
       const std::string version = std::to_string(PostgresStore::schema_version);

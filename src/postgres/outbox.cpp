@@ -5,6 +5,8 @@
 
 #include <string>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
 #include "idem/outbox/writer.hpp"
@@ -50,8 +52,10 @@ std::string OutboxWriter::send(std::string_view destination, std::string_view me
   if (!tx.conn_) throw usage_error("idem: outbox send on a transaction that is not open (not acquired, or already ended)");
   const detail::StoreImpl& s = *tx.store_;
   if (!s.opt.outbox)
-    throw usage_error("idem: outbox send on a store without an outbox: set PostgresStoreOptions::outbox = true "
-                      "(migrate() then creates " + s.opt.table + "_outbox)");
+    throw usage_error(
+        fmt::format("idem: outbox send on a store without an outbox: set PostgresStoreOptions::outbox = "
+                    "true (migrate() then creates {}_outbox)",
+                    s.opt.table));
   std::string encoded;
   for (const auto& [name, value] : headers) {
     put_u32(encoded, name.size());

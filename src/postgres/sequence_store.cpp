@@ -10,6 +10,8 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
@@ -37,17 +39,20 @@ std::uint64_t parse_seq(std::string_view s, std::string_view entity) {
   std::uint64_t v = 0;
   auto res = std::from_chars(s.data(), s.data() + s.size(), v);
   if (s.empty() || res.ec != std::errc{} || res.ptr != s.data() + s.size())
-    throw corrupt_record_error("idem: the PostgreSQL sequence of entity '" + printable(entity) + "' holds '" +
-                               printable(s, 32) + "', not a uint64; inspect and repair the row");
+    throw corrupt_record_error(
+        fmt::format("idem: the PostgreSQL sequence of entity '{}' holds '{}', not a uint64; inspect and repair the row",
+                    printable(entity), printable(s, 32)));
   return v;
 }
 
 PostgresSequenceStoreOptions checked(PostgresSequenceStoreOptions o) {
-  auto bad = [](const std::string& why) { throw invalid_options_error("idem: PostgresSequenceStoreOptions: " + why); };
+  auto bad = [](const std::string& why) {
+    throw invalid_options_error(fmt::format("idem: PostgresSequenceStoreOptions: {}", why));
+  };
   if (!valid_ident(o.schema))
-    bad("schema '" + printable(o.schema) + "' must match [a-z_][a-z0-9_]*, at most 63 bytes, not pg_*");
+    bad(fmt::format("schema '{}' must match [a-z_][a-z0-9_]*, at most 63 bytes, not pg_*", printable(o.schema)));
   if (!valid_ident(o.table))
-    bad("table '" + printable(o.table) + "' must match [a-z_][a-z0-9_]*, at most 63 bytes, not pg_*");
+    bad(fmt::format("table '{}' must match [a-z_][a-z0-9_]*, at most 63 bytes, not pg_*", printable(o.table)));
   return o;
 }
 
@@ -69,8 +74,9 @@ AdvanceResult decode_advance(const PostgresResult& r, std::string_view entity, s
   if (!out.advanced && (!out.previous || *out.previous < seq)) {
     out.previous = read_seq(reread(), entity);
     if (!out.previous || *out.previous < seq)
-      throw store_error("idem: the PostgreSQL sequence advance of entity '" + printable(entity) +
-                            "' neither advanced nor found a newer value; retry",
+      throw store_error(fmt::format("idem: the PostgreSQL sequence advance of entity '{}' neither advanced nor found a "
+                                    "newer value; retry",
+                                    printable(entity)),
                         "", true);
   }
   if (out.advanced && out.previous && *out.previous >= seq) out.previous.reset();  // snapshot raced: unknown

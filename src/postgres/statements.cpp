@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include <fmt/format.h>
+
 #include "store_impl.hpp"
 
 namespace idem::detail {
@@ -11,7 +13,8 @@ namespace {
 
 void prepare_one(PGconn* c, const std::string& name, const std::string& sql, int nparams) {
   PostgresResult r = ResultAccess::wrap(PQprepare(c, name.c_str(), sql.c_str(), nparams, nullptr));
-  if (!result_ok(ResultAccess::native(r))) throw_result("prepare " + name, ResultAccess::native(r), c, store_missing);
+  if (!result_ok(ResultAccess::native(r)))
+    throw_result(fmt::format("prepare {}", name), ResultAccess::native(r), c, store_missing);
 }
 
 }  // namespace

@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/detail/validate.hpp"
 #include "store_impl.hpp"
@@ -22,19 +24,23 @@ constexpr std::array<const char*, kStatementCount> statement_suffixes{
 
 PostgresStoreOptions checked(PostgresStoreOptions o) {
   if (!valid_identifier(o.schema, 63) || o.schema.rfind("pg_", 0) == 0)
-    throw invalid_options_error("idem: PostgresStoreOptions::schema '" + o.schema.substr(0, 80) +
-                                "' is not a plain identifier; use [a-z_][a-z0-9_]* (max 63, not pg_*)");
+    throw invalid_options_error(
+        fmt::format("idem: PostgresStoreOptions::schema '{}' is not a plain identifier; use "
+                    "[a-z_][a-z0-9_]* (max 63, not pg_*)",
+                    o.schema.substr(0, 80)));
   if (!valid_identifier(o.table, 40))
-    throw invalid_options_error("idem: PostgresStoreOptions::table '" + o.table.substr(0, 80) +
-                                "' is not a plain identifier; use [a-z_][a-z0-9_]* (max 40)");
+    throw invalid_options_error(
+        fmt::format("idem: PostgresStoreOptions::table '{}' is not a plain identifier; use [a-z_][a-z0-9_]* (max 40)",
+                    o.table.substr(0, 80)));
   if (o.claim_wait != PostgresClaimWait::none && o.claim_wait != PostgresClaimWait::bounded)
     throw invalid_options_error("idem: PostgresStoreOptions::claim_wait must be none or bounded");
   if (o.lock_timeout <= millis{0})
     throw invalid_options_error(
         "idem: PostgresStoreOptions::lock_timeout must be > 0; it bounds how long a duplicate waits");
   if (o.max_result_bytes == 0 || o.max_result_bytes > max_pg_result_bytes)
-    throw invalid_options_error("idem: PostgresStoreOptions::max_result_bytes must be 1.." +
-                                std::to_string(max_pg_result_bytes) + " (bytea holds at most 1 GB); the default is 64 MiB");
+    throw invalid_options_error(fmt::format(
+        "idem: PostgresStoreOptions::max_result_bytes must be 1..{} (bytea holds at most 1 GB); the default is 64 MiB",
+        max_pg_result_bytes));
   if (o.batch_sessions == 0 || o.batch_sessions > 64)
     throw invalid_options_error("idem: PostgresStoreOptions::batch_sessions must be 1..64 (sessions a batch's "
                                 "completions spread over); the default is 4");
@@ -61,9 +67,10 @@ AcquireResult decode_acquire_lease(const PGresult* r, std::uint64_t token) {
 void check_pg_key(std::string_view key) {
   // The store's own limit: no option raises it, so the advice is to hash, not to raise a limit.
   if (key.size() > max_pg_key_bytes)
-    throw invalid_key_error("idem: the idempotency key is " + std::to_string(key.size()) +
-                            " bytes, over PostgresStore's limit of " + std::to_string(max_pg_key_bytes) +
-                            " (a btree entry); hash long keys (idem::fingerprint)");
+    throw invalid_key_error(
+        fmt::format("idem: the idempotency key is {} bytes, over PostgresStore's limit of {} (a "
+                    "btree entry); hash long keys (idem::fingerprint)",
+                    key.size(), max_pg_key_bytes));
 }
 
 std::string clean_owner(std::string_view o) {
@@ -126,12 +133,13 @@ Params& Params::text(std::string v) {
 // corrupt_record_error too, never a null std::string.
 std::string column_name(const PGresult* r, int col) {
   const char* n = PQfname(r, col);
-  return n ? std::string(n) : "#" + std::to_string(col) + " (missing)";
+  return n ? std::string(n) : fmt::format("#{} (missing)", col);
 }
 
 std::int64_t be_int(const PGresult* r, int row, int col, int bytes) {
   if (PQgetisnull(r, row, col) || PQgetlength(r, row, col) != bytes)
-    throw corrupt_record_error("idem: postgres returned an unreadable value in column " + column_name(r, col));
+    throw corrupt_record_error(
+        fmt::format("idem: postgres returned an unreadable value in column {}", column_name(r, col)));
   const auto* p = reinterpret_cast<const unsigned char*>(PQgetvalue(r, row, col));
   std::uint64_t v = 0;
   for (int i = 0; i < bytes; ++i) v = (v << 8) | p[i];
@@ -141,7 +149,7 @@ std::int64_t be_int(const PGresult* r, int row, int col, int bytes) {
 
 std::string bytes_of(const PGresult* r, int row, int col) {
   if (PQgetisnull(r, row, col))
-    throw corrupt_record_error("idem: postgres returned NULL in column " + column_name(r, col));
+    throw corrupt_record_error(fmt::format("idem: postgres returned NULL in column {}", column_name(r, col)));
   return std::string(PQgetvalue(r, row, col), static_cast<std::size_t>(PQgetlength(r, row, col)));
 }
 
@@ -154,7 +162,7 @@ AcquireResult decode_acquire(const PGresult* r, std::uint64_t token) {
 AcquireResult decode_acquire_row(const PGresult* r, int row, int col, std::uint64_t token) {
   AcquireResult a;
   const auto st = be_int(r, row, col, 2);
-  if (st < 0 || st > 5) throw corrupt_record_error("idem: postgres acquire returned status " + std::to_string(st));
+  if (st < 0 || st > 5) throw corrupt_record_error(fmt::format("idem: postgres acquire returned status {}", st));
   // 5 (schema v2): a duplicate whose result was not stored; the payload is why.
   a.status = st == 5 ? AcquireStatus::duplicate : static_cast<AcquireStatus>(st);
   a.result_unavailable = st == 5;
@@ -226,13 +234,12 @@ AcquireResult StoreImpl::lock_busy(const AcquireParams& ap) {
 std::optional<Record> decode_inspect(const PGresult* res, std::string_view key) {
   if (PQntuples(res) == 0) return std::nullopt;
   if (PQnfields(res) != 11)
-    throw corrupt_record_error("idem: postgres inspect of key '" + std::string(key.substr(0, 64)) +
-                               "' returned " + std::to_string(PQnfields(res)) + " columns, not 11");
+    throw corrupt_record_error(fmt::format("idem: postgres inspect of key '{}' returned {} columns, not 11",
+                                           key.substr(0, 64), PQnfields(res)));
   Record rec;
   const auto st = be_int(res, 0, 0, 2);
   if (st < 1 || st > 3)
-    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has state " +
-                               std::to_string(st));
+    throw corrupt_record_error(fmt::format("idem: the record of key '{}' has state {}", key.substr(0, 64), st));
   rec.state = static_cast<State>(st);
   rec.holder = {as_u64(be_int(res, 0, 1, 8)), as_u64(be_int(res, 0, 2, 8))};
   rec.owner = bytes_of(res, 0, 3);
@@ -240,9 +247,8 @@ std::optional<Record> decode_inspect(const PGresult* res, std::string_view key) 
   rec.retry_at_ms = be_int(res, 0, 5, 8);
   const auto attempts = be_int(res, 0, 6, 4);
   if (rec.holder.fence == 0 || attempts < 1 || static_cast<std::int64_t>(rec.holder.fence) < 0)
-    throw corrupt_record_error("idem: the record of key '" + std::string(key.substr(0, 64)) + "' has fence " +
-                               std::to_string(static_cast<std::int64_t>(rec.holder.fence)) + " and attempts " +
-                               std::to_string(attempts));
+    throw corrupt_record_error(fmt::format("idem: the record of key '{}' has fence {} and attempts {}",
+                                           key.substr(0, 64), static_cast<std::int64_t>(rec.holder.fence), attempts));
   rec.attempts = static_cast<std::uint32_t>(attempts);
   rec.permanent = bool_of(res, 0, 7);
   rec.fingerprint = bytes_of(res, 0, 8);
@@ -287,8 +293,10 @@ AcquireResult PostgresStore::acquire(std::string_view key, const AcquireParams& 
 
 WriteStatus PostgresStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
   if (result.size() > impl_->opt.max_result_bytes)
-    throw usage_error("idem: a result of " + std::to_string(result.size()) + " bytes is over PostgresStoreOptions::max_result_bytes (" +
-                      std::to_string(impl_->opt.max_result_bytes) + "); nothing was written, use complete_unavailable");
+    throw usage_error(
+        fmt::format("idem: a result of {} bytes is over PostgresStoreOptions::max_result_bytes ({}); "
+                    "nothing was written, use complete_unavailable",
+                    result.size(), impl_->opt.max_result_bytes));
   return impl_->write(detail::kComplete, detail::kCompleteAgain, impl_->completion(key, h, result, retention),
                       "complete");
 }

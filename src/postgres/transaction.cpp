@@ -8,6 +8,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/detail/validate.hpp"
 #include "store_impl.hpp"
@@ -201,10 +203,11 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
   std::string m = detail::first_line(r1 && PQresultErrorMessage(r1)[0] ? PQresultErrorMessage(r1) : PQerrorMessage(c));
   release(false);
   if (!sent && r0 == nullptr && healthy)
-    throw connection_error("idem: postgres commit could not be sent: " + m, "08006", true);
-  throw outcome_unknown_error("idem: the connection to PostgreSQL was lost during COMMIT (" + m +
-                                  "); the transaction may or may not have committed: check the record "
-                                  "(inspect) before redelivering",
+    throw connection_error(fmt::format("idem: postgres commit could not be sent: {}", m), "08006", true);
+  throw outcome_unknown_error(fmt::format("idem: the connection to PostgreSQL was lost during COMMIT ({}); the "
+                                          "transaction may or may not have committed: check the record (inspect) "
+                                          "before redelivering",
+                                          m),
                               code1.empty() ? "08006" : code1);
 }
 

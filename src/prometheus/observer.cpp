@@ -5,6 +5,7 @@
 #include <array>
 #include <stdexcept>
 
+#include <fmt/format.h>
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/family.h>
@@ -115,7 +116,7 @@ std::shared_ptr<PrometheusObserver> PrometheusObserver::serve(const std::string&
   try {
     obs->impl_->exposer = std::make_unique<prometheus::Exposer>(listen);
   } catch (const std::exception& e) {
-    throw std::runtime_error("idem: cannot serve metrics on " + listen + ": " + e.what());
+    throw std::runtime_error(fmt::format("idem: cannot serve metrics on {}: {}", listen, e.what()));
   }
   obs->impl_->exposer->RegisterCollectable(obs->impl_->registry);
   const auto ports = obs->impl_->exposer->GetListeningPorts();

@@ -8,6 +8,7 @@
 #include <map>
 #include <sys/time.h>
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
 #include "admin/idem_redis_scripts.hpp"
@@ -28,7 +29,7 @@ struct Node {
   std::unique_ptr<redisContext, void (*)(redisContext*)> ctx{nullptr, redisFree};
   std::string inspect_sha, release_sha;
 
-  [[nodiscard]] std::string name() const { return socket.empty() ? host + ":" + std::to_string(port) : socket; }
+  [[nodiscard]] std::string name() const { return socket.empty() ? fmt::format("{}:{}", host, port) : socket; }
 };
 
 std::string reply_text(const redisReply* r) {
@@ -52,12 +53,13 @@ std::int64_t reply_int(const redisReply* r) {
 [[noreturn]] void throw_reply(const Node& n, std::string_view what, const redisReply* r) {
   const std::string text = reply_text(r);
   const std::string code = text.substr(0, text.find(' '));
-  if (code == "IDEMCORRUPT") throw corrupt_record_error("idem: " + text);
+  if (code == "IDEMCORRUPT") throw corrupt_record_error(fmt::format("idem: {}", text));
   if (code == "NOPERM")
-    throw store_error("idem: " + std::string(what) + " on " + n.name() + " was refused by ACL (" + text +
-                          "); run as a user with the permissions docs/operations.md lists",
+    throw store_error(fmt::format("idem: {} on {} was refused by ACL ({}); run as a user with the permissions "
+                                  "docs/operations.md lists",
+                                  what, n.name(), text),
                       code, false);
-  throw store_error("idem: " + std::string(what) + " on " + n.name() + " failed: " + text, code, false);
+  throw store_error(fmt::format("idem: {} on {} failed: {}", what, n.name(), text), code, false);
 }
 
 ReplyPtr command(Node& n, const std::vector<std::string>& args) {
@@ -70,8 +72,8 @@ ReplyPtr command(Node& n, const std::vector<std::string>& args) {
   auto* r = static_cast<redisReply*>(
       redisCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
   if (!r)
-    throw connection_error("idem: the connection to " + n.name() +
-                           " failed: " + detail::redis::reader_error(n.ctx->err, n.ctx->errstr));
+    throw connection_error(fmt::format("idem: the connection to {} failed: {}", n.name(),
+                                       detail::redis::reader_error(n.ctx->err, n.ctx->errstr)));
   return {r, freeReplyObject};
 }
 
@@ -92,15 +94,15 @@ std::vector<ReplyPtr> pipeline(Node& n, const std::vector<std::vector<std::strin
       lens.push_back(a.size());
     }
     if (redisAppendCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data()) != REDIS_OK)
-      throw connection_error("idem: cannot send to " + n.name() + ": " + n.ctx->errstr);
+      throw connection_error(fmt::format("idem: cannot send to {}: {}", n.name(), n.ctx->errstr));
   }
   std::vector<ReplyPtr> out;
   out.reserve(cmds.size());
   for (std::size_t i = 0; i < cmds.size(); ++i) {
     void* r = nullptr;
     if (redisGetReply(n.ctx.get(), &r) != REDIS_OK || !r)
-      throw connection_error("idem: the connection to " + n.name() +
-                             " failed: " + detail::redis::reader_error(n.ctx->err, n.ctx->errstr));
+      throw connection_error(fmt::format("idem: the connection to {} failed: {}", n.name(),
+                                         detail::redis::reader_error(n.ctx->err, n.ctx->errstr)));
     out.emplace_back(static_cast<redisReply*>(r), freeReplyObject);
   }
   return out;
@@ -160,7 +162,7 @@ struct RedisAdmin::Impl {
                                        : redisConnectUnixWithTimeout(n.socket.c_str(), tv);
     if (!c) throw connection_error("idem: cannot allocate a Redis connection");
     n.ctx.reset(c);
-    if (c->err) throw connection_error("idem: cannot connect to Redis at " + n.name() + ": " + c->errstr);
+    if (c->err) throw connection_error(fmt::format("idem: cannot connect to Redis at {}: {}", n.name(), c->errstr));
     detail::redis::limit_aggregates(c->reader);
     timeval ct{};
     ct.tv_sec = opt.command_timeout.count() / 1000;
@@ -169,7 +171,8 @@ struct RedisAdmin::Impl {
     if (!opt.password.empty()) {
       auto r = opt.user.empty() ? command(n, {"AUTH", opt.password}) : command(n, {"AUTH", opt.user, opt.password});
       if (r->type == REDIS_REPLY_ERROR)
-        throw store_error("idem: authentication to " + n.name() + " failed: " + reply_text(r.get()), "WRONGPASS", false);
+        throw store_error(fmt::format("idem: authentication to {} failed: {}", n.name(), reply_text(r.get())),
+                          "WRONGPASS", false);
     }
     if (opt.db != 0) checked(n, {"SELECT", std::to_string(opt.db)});
   }
@@ -233,7 +236,8 @@ struct RedisAdmin::Impl {
           ranges.push_back({static_cast<int>(reply_int(e->element[0])), static_cast<int>(reply_int(e->element[1])),
                             it->second});
         }
-        if (nodes.empty()) throw store_error("idem: the cluster at " + seed + " has no slots assigned", "", false);
+        if (nodes.empty())
+          throw store_error(fmt::format("idem: the cluster at {} has no slots assigned", seed), "", false);
         return;
       } catch (const store_error& e) {
         last = e.what();
@@ -241,7 +245,7 @@ struct RedisAdmin::Impl {
         ranges.clear();
       }
     }
-    throw connection_error("idem: no cluster seed answered CLUSTER SLOTS: " + last);
+    throw connection_error(fmt::format("idem: no cluster seed answered CLUSTER SLOTS: {}", last));
   }
 
   Node& node_of(std::string_view key) {
@@ -249,15 +253,15 @@ struct RedisAdmin::Impl {
     const int slot = redis_hash_slot(opt.key_prefix + std::string(key));
     for (const auto& r : ranges)
       if (slot >= r.first && slot <= r.last) return nodes[r.node];
-    throw store_error("idem: slot " + std::to_string(slot) + " is not served by any master", "CLUSTERDOWN", true);
+    throw store_error(fmt::format("idem: slot {} is not served by any master", slot), "CLUSTERDOWN", true);
   }
 
   // admin_inspect's reply (or nullopt for nil) as an AdminRecord.
   static std::optional<AdminRecord> decode(Node& n, std::string key, const redisReply* r) {
     if (r->type == REDIS_REPLY_NIL) return std::nullopt;
-    if (r->type == REDIS_REPLY_ERROR) throw_reply(n, "inspect of '" + key + "'", r);
+    if (r->type == REDIS_REPLY_ERROR) throw_reply(n, fmt::format("inspect of '{}'", key), r);
     if (r->type != REDIS_REPLY_ARRAY || r->elements < 12)
-      throw corrupt_record_error("idem: unexpected admin_inspect reply for '" + key + "'");
+      throw corrupt_record_error(fmt::format("idem: unexpected admin_inspect reply for '{}'", key));
     AdminRecord a;
     a.key = std::move(key);
     a.record.state = static_cast<State>(reply_int(r->element[0]));
@@ -300,7 +304,7 @@ struct RedisAdmin::Impl {
       do {
         auto r = checked(n, {"SCAN", cursor, "MATCH", match, "COUNT", std::to_string(page)});
         if (r->type != REDIS_REPLY_ARRAY || r->elements != 2)
-          throw store_error("idem: unexpected SCAN reply from " + n.name(), "", false);
+          throw store_error(fmt::format("idem: unexpected SCAN reply from {}", n.name()), "", false);
         cursor = reply_text(r->element[0]);
         const redisReply* keys = r->element[1];
         std::vector<std::vector<std::string>> cmds;
@@ -374,8 +378,8 @@ ReleaseResult RedisAdmin::release(std::string_view key, std::uint64_t fence, boo
   Node& n = impl_->node_of(key);
   impl_->load_scripts(n);
   auto r = command(n, {"EVALSHA", n.release_sha, "1", impl_->opt.key_prefix + std::string(key), std::to_string(fence),
-                       force ? "1" : "0", "released by idem release (fence " + std::to_string(fence) + ")"});
-  if (r->type == REDIS_REPLY_ERROR) throw_reply(n, "release of '" + std::string(key) + "'", r.get());
+                       force ? "1" : "0", fmt::format("released by idem release (fence {})", fence)});
+  if (r->type == REDIS_REPLY_ERROR) throw_reply(n, fmt::format("release of '{}'", key), r.get());
   if (r->type != REDIS_REPLY_ARRAY || r->elements != 3) throw store_error("idem: unexpected release reply", "", false);
   ReleaseResult out;
   constexpr ReleaseStatus codes[] = {ReleaseStatus::released, ReleaseStatus::not_found, ReleaseStatus::fence_mismatch,
@@ -410,7 +414,7 @@ std::vector<Finding> RedisAdmin::doctor() {
   std::vector<Finding> out;
   const bool many = impl_->nodes.size() > 1;
   for (auto& n : impl_->nodes) {
-    const std::string at = many ? n.name() + ": " : "";
+    const std::string at = many ? fmt::format("{}: ", n.name()) : "";
     auto add = [&](Severity s, std::string check, std::string message, std::string fix = {}) {
       out.push_back({s, std::move(check), at + std::move(message), std::move(fix)});
     };
@@ -423,16 +427,16 @@ std::vector<Finding> RedisAdmin::doctor() {
     const std::string version = info["redis_version"];
     const int vn = version_number(version);
     if (vn < 500)
-      add(Severity::error, "version", "Redis " + version + ": the scripts need Redis >= 5 (writes after TIME)",
+      add(Severity::error, "version", fmt::format("Redis {}: the scripts need Redis >= 5 (writes after TIME)", version),
           "upgrade Redis to 6.2 or later");
     else if (vn < 600)
-      add(Severity::warning, "version", "Redis " + version + ": no ACLs, and older than anything idem is tested with",
-          "upgrade Redis to 7");
+      add(Severity::warning, "version",
+          fmt::format("Redis {}: no ACLs, and older than anything idem is tested with", version), "upgrade Redis to 7");
     else
-      add(Severity::ok, "version", "Redis " + version);
+      add(Severity::ok, "version", fmt::format("Redis {}", version));
 
     if (info["role"] != "master")
-      add(Severity::error, "role", "this server is a " + info["role"] + ": every idem script writes",
+      add(Severity::error, "role", fmt::format("this server is a {}: every idem script writes", info["role"]),
           "point the URL at the master");
 
     // CONFIG GET may be refused to the application's user: a warning, not a finding about the server.
@@ -441,8 +445,8 @@ std::vector<Finding> RedisAdmin::doctor() {
     if (r->type == REDIS_REPLY_ARRAY) {
       for (std::size_t i = 0; i + 1 < r->elements; i += 2) cfg[reply_text(r->element[i])] = reply_text(r->element[i + 1]);
     } else {
-      add(Severity::warning, "config", "CONFIG GET is refused (" + reply_text(r.get()) +
-                                           "): eviction and persistence could not be checked",
+      add(Severity::warning, "config",
+          fmt::format("CONFIG GET is refused ({}): eviction and persistence could not be checked", reply_text(r.get())),
           "run idem doctor as a user allowed +config|get");
     }
     if (!cfg.empty()) {
@@ -451,13 +455,15 @@ std::vector<Finding> RedisAdmin::doctor() {
       if (policy != "noeviction") {
         if (maxmemory != "0")
           add(Severity::error, "maxmemory-policy",
-              "maxmemory-policy is " + policy + " with maxmemory " + maxmemory +
-                  ": Redis evicts idempotency records under memory pressure, and their messages run again",
+              fmt::format("maxmemory-policy is {} with maxmemory {}: Redis evicts idempotency records under memory "
+                          "pressure, and their messages run again",
+                          policy, maxmemory),
               "CONFIG SET maxmemory-policy noeviction (and CONFIG REWRITE); size maxmemory for the retention");
         else
           add(Severity::warning, "maxmemory-policy",
-              "maxmemory-policy is " + policy +
-                  ": nothing is evicted while maxmemory is 0, but setting a limit later silently starts evicting records",
+              fmt::format("maxmemory-policy is {}: nothing is evicted while maxmemory is 0, but setting a limit later "
+                          "silently starts evicting records",
+                          policy),
               "CONFIG SET maxmemory-policy noeviction (and CONFIG REWRITE)");
       } else {
         add(Severity::ok, "maxmemory-policy", "noeviction (a full server refuses writes: capacity_error, fail closed)");
@@ -466,16 +472,18 @@ std::vector<Finding> RedisAdmin::doctor() {
         const double used = std::stod(info["used_memory"].empty() ? "0" : info["used_memory"]);
         const double limit = std::stod(maxmemory);
         if (limit > 0 && used / limit > 0.9)
-          add(Severity::warning, "memory", "used memory is " + std::to_string(static_cast<int>(100 * used / limit)) +
-                                               "% of maxmemory: acquires will fail (OOM) soon",
+          add(Severity::warning, "memory",
+              fmt::format("used memory is {}% of maxmemory: acquires will fail (OOM) soon",
+                          static_cast<int>(100 * used / limit)),
               "raise maxmemory or shorten the retention");
       }
       const bool aof = cfg["appendonly"] == "yes";
       const bool rdb = !cfg["save"].empty();
       if (!aof) {
         add(Severity::error, "appendonly",
-            std::string("appendonly is no") + (rdb ? " (RDB snapshots only: " + cfg["save"] + ")" : " and no RDB snapshots") +
-                ": a restart forgets the records written since the last snapshot, and their messages run again",
+            fmt::format("appendonly is no{}: a restart forgets the records written since the last snapshot, and their "
+                        "messages run again",
+                        rdb ? fmt::format(" (RDB snapshots only: {})", cfg["save"]) : " and no RDB snapshots"),
             "CONFIG SET appendonly yes (and CONFIG REWRITE)");
       } else {
         const std::string fsync = cfg["appendfsync"];
@@ -486,7 +494,8 @@ std::vector<Finding> RedisAdmin::doctor() {
               "everysec: a machine crash (not a Redis crash) can lose the last second of records",
               "appendfsync always, if a machine crash must not re-run a message");
         else
-          add(Severity::warning, "appendfsync", "appendfsync " + fsync + ": the OS decides when records reach the disk",
+          add(Severity::warning, "appendfsync",
+              fmt::format("appendfsync {}: the OS decides when records reach the disk", fsync),
               "CONFIG SET appendfsync everysec (or always)");
       }
     }
@@ -497,22 +506,25 @@ std::vector<Finding> RedisAdmin::doctor() {
       add(Severity::info, "replicas", "no replicas: this server's disk is the only copy of the records");
     } else if (min_replicas == 0) {
       add(Severity::warning, "min-replicas-to-write",
-          std::to_string(replicas) +
-              " replica(s) but min-replicas-to-write 0: replication is asynchronous, a failover can lose acknowledged records",
+          fmt::format("{} replica(s) but min-replicas-to-write 0: replication is asynchronous, a failover can lose "
+                      "acknowledged records",
+                      replicas),
           "RedisOptions::min_replica_acks = 1 (WAIT per write), or CONFIG SET min-replicas-to-write 1");
     } else {
-      add(Severity::ok, "replicas", std::to_string(replicas) + " replica(s), min-replicas-to-write " +
-                                        (min_replicas < 0 ? std::string("unknown") : std::to_string(min_replicas)));
+      add(Severity::ok, "replicas",
+          fmt::format("{} replica(s), min-replicas-to-write {}", replicas,
+                      min_replicas < 0 ? std::string("unknown") : std::to_string(min_replicas)));
     }
 
     if (info["cluster_enabled"] == "1") {
       auto ci = parse_info(reply_text(checked(n, {"CLUSTER", "INFO"}).get()));
       if (ci["cluster_state"] != "ok")
-        add(Severity::error, "cluster", "cluster_state is " + ci["cluster_state"] + " (" + ci["cluster_slots_assigned"] +
-                                            " slots assigned): keys of unserved slots fail",
+        add(Severity::error, "cluster",
+            fmt::format("cluster_state is {} ({} slots assigned): keys of unserved slots fail", ci["cluster_state"],
+                        ci["cluster_slots_assigned"]),
             "redis-cli --cluster check / fix");
       else
-        add(Severity::ok, "cluster", "cluster_state ok, " + ci["cluster_slots_assigned"] + " slots assigned");
+        add(Severity::ok, "cluster", fmt::format("cluster_state ok, {} slots assigned", ci["cluster_slots_assigned"]));
       if (!impl_->cluster)
         add(Severity::warning, "cluster", "a cluster node reached with redis://: keys of other slots answer MOVED",
             "use redis-cluster://host:port");
@@ -544,17 +556,21 @@ std::vector<Finding> RedisAdmin::doctor() {
         if (reply_text(d.get()) != "OK") missing.push_back(c[0] == "SCRIPT" ? "SCRIPT LOAD" : c[0]);
       }
       if (!refused.empty())
-        add(Severity::warning, "acl", "ACL DRYRUN is refused to user " + user + " (" + refused +
-                                          "): the scripts' permissions could not be checked",
+        add(Severity::warning, "acl",
+            fmt::format("ACL DRYRUN is refused to user {} ({}): the scripts' permissions could not be checked", user,
+                        refused),
             "run idem doctor with the application's URL and a user allowed +acl|dryrun, or check the ACL by hand");
       else if (!missing.empty()) {
         std::string list;
         for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
-        add(Severity::error, "acl", "user " + user + " may not run " + list + " on " + impl_->opt.key_prefix +
-                                        "*: every store call will fail (NOPERM)",
-            "ACL SETUSER " + user + " ~" + impl_->opt.key_prefix + "* +evalsha +script|load +get +set +pttl +pexpire +time");
+        add(Severity::error, "acl",
+            fmt::format("user {} may not run {} on {}*: every store call will fail (NOPERM)", user, list,
+                        impl_->opt.key_prefix),
+            fmt::format("ACL SETUSER {} ~{}* +evalsha +script|load +get +set +pttl +pexpire +time", user,
+                        impl_->opt.key_prefix));
       } else {
-        add(Severity::ok, "acl", "user " + user + " may run every command the scripts use on " + impl_->opt.key_prefix + "*");
+        add(Severity::ok, "acl",
+            fmt::format("user {} may run every command the scripts use on {}*", user, impl_->opt.key_prefix));
       }
     }
   }

@@ -11,8 +11,11 @@
 #include <charconv>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <tuple>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "idem/core/error.hpp"
 #include "idem/redis/client.hpp"
@@ -26,8 +29,8 @@ namespace {
 
 // What the pool's messages call the server.
 std::string pool_name(const RedisOptions& o) {
-  if (!o.sentinels.empty()) return "the Redis master '" + o.sentinel_master + "' (through Sentinel)";
-  return "Redis at " + (o.unix_socket.empty() ? describe({o.host, o.port}) : o.unix_socket);
+  if (!o.sentinels.empty()) return fmt::format("the Redis master '{}' (through Sentinel)", o.sentinel_master);
+  return fmt::format("Redis at {}", o.unix_socket.empty() ? describe({o.host, o.port}) : o.unix_socket);
 }
 
 Command script_load(Script s) {
@@ -81,10 +84,11 @@ Client::Client(RedisOptions o)
     return -1;
   });
   if (replicas >= 0 && replicas < opt_.min_replica_acks && opt_.observer)
-    opt_.observer->on_warning("idem: min_replica_acks is " + std::to_string(opt_.min_replica_acks) + " but " +
-                              where() + " has " + std::to_string(replicas) +
-                              " replica(s) connected: every write transition fails with durability_error until "
-                              "enough replicas are attached");
+    opt_.observer->on_warning(
+        fmt::format("idem: min_replica_acks is {} but {} has {} replica(s) connected: every "
+                    "write transition fails with durability_error until enough replicas are "
+                    "attached",
+                    opt_.min_replica_acks, where(), replicas));
 }
 
 Client::~Client() = default;
@@ -138,8 +142,9 @@ Client::Connection Client::connect() const {
                            r->element[0]->type == REDIS_REPLY_STRING && reply_text(r->element[0]) == "master";
     if (!is_master) {
       suspect();
-      throw connection_error("idem: the sentinels name " + describe(to) + " as the master '" + opt_.sentinel_master +
-                                 "', but it does not answer ROLE master (a failover under way?); retry later",
+      throw connection_error(fmt::format("idem: the sentinels name {} as the master '{}', but it does not answer ROLE "
+                                         "master (a failover under way?); retry later",
+                                         describe(to), opt_.sentinel_master),
                              "ROLE", true);
     }
   }
@@ -156,8 +161,8 @@ void Client::send(Link& c, std::string_view data, std::size_t first) const {
   throw_if_tls_refused(c, err);
   // A request the server did not get whole cannot run; one after a whole one might have.
   if (sent < first)
-    throw NotSent{std::string(std::strerror(err)) +
-                  (!c.tls && !c.answered && opt_.unix_socket.empty() ? std::string(plain_on_tls_hint) : "")};
+    throw NotSent{fmt::format("{}{}", std::strerror(err),
+                              !c.tls && !c.answered && opt_.unix_socket.empty() ? plain_on_tls_hint : "")};
   errno = err;
   throw_io(c, "while sending a pipeline", true);
 }
@@ -179,14 +184,14 @@ void Client::throw_if_tls_refused(const Link& c, int err) const {
     const std::string what =
         c.tls->refused() ? c.tls->failure() : (c->errstr[0] != 0 ? std::string(c->errstr) : std::strerror(err));
     if (c.tls->certificate_missing())
-      throw connection_error("idem: TLS with Redis at " + where() +
-                                 " failed: the server asked for a client certificate, none is configured, and it "
-                                 "ended the session (" + what +
-                                 "); with tls-auth-clients yes set tls.cert_file and tls.key_file",
+      throw connection_error(fmt::format("idem: TLS with Redis at {} failed: the server asked for a client "
+                                         "certificate, none is configured, and it ended the session ({}); with "
+                                         "tls-auth-clients yes set tls.cert_file and tls.key_file",
+                                         where(), what),
                              "TLS", false);
-    throw connection_error("idem: TLS with Redis at " + where() + " failed: the server refused the session (" + what +
-                               ")",
-                           "TLS", false);
+    throw connection_error(
+        fmt::format("idem: TLS with Redis at {} failed: the server refused the session ({})", where(), what), "TLS",
+        false);
   }
 }
 
@@ -196,21 +201,21 @@ void Client::throw_io(const Link& c, const char* during, bool maybe_ran) const {
   errno = err;
   IoFailure f = io_failure(c.context.get(), during, where(), opt_.command_timeout);
   if (!c.tls && !c.answered && !f.timed_out && opt_.unix_socket.empty())
-    f.text += std::string(" before its first reply") + plain_on_tls_hint;
+    fmt::format_to(std::back_inserter(f.text), " before its first reply{}", plain_on_tls_hint);
   if (maybe_ran) throw InDoubt{std::move(f)};
   throw_io_error(f, false);
 }
 
 void Client::throw_unsent(const NotSent& e) const {
   suspect();
-  throw connection_error("idem: cannot send to Redis at " + where() + ": " + e.why + "; retry later", "", true);
+  throw connection_error(fmt::format("idem: cannot send to Redis at {}: {}; retry later", where(), e.why), "", true);
 }
 
 void Client::check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints) {
   const ScriptInfo& info = script(s);
-  throw_if_error(r, hints, [&] { return "SCRIPT LOAD of " + std::string(info.name); });
+  throw_if_error(r, hints, [&] { return fmt::format("SCRIPT LOAD of {}", info.name); });
   if (r->type != REDIS_REPLY_STRING || reply_text(r) != info.sha)
-    throw store_error("idem: SCRIPT LOAD of " + std::string(info.name) + " answered an unexpected SHA1", "", false);
+    throw store_error(fmt::format("idem: SCRIPT LOAD of {} answered an unexpected SHA1", info.name), "", false);
 }
 
 // After NOSCRIPT nothing has run, so a SCRIPT LOAD that cannot be sent may be retried elsewhere.
@@ -285,7 +290,7 @@ void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorH
     for (std::size_t i = 0; i < p.size(); ++i)
       if (is_not_master(out[i].get())) {
         suspect();
-        throw NotSent{"it answered " + std::string(error_code(reply_text(out[i].get()))) + " (not the master now)"};
+        throw NotSent{fmt::format("it answered {} (not the master now)", error_code(reply_text(out[i].get())))};
       }
 }
 
@@ -297,17 +302,18 @@ void check_wait(const redisReply* wait, Script s, std::string_view what, const R
           : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds it "
             "(or, if a failover lost it, runs again after the lease)";
   if (is_error(wait))
-    throw store_error("idem: Redis refused WAIT after " + std::string(what) + ": " + std::string(reply_text(wait)) +
-                          "; min_replica_acks needs WAIT on a primary (the ACL user needs +wait)" + effect,
+    throw store_error(fmt::format("idem: Redis refused WAIT after {}: {}; min_replica_acks needs WAIT on a primary "
+                                  "(the ACL user needs +wait){}",
+                                  what, reply_text(wait), effect),
                       std::string(error_code(reply_text(wait))), false);
   const long long acks = wait->type == REDIS_REPLY_INTEGER ? wait->integer : -1;
-  if (acks < 0) throw_bad_reply("WAIT after " + std::string(what));
+  if (acks < 0) throw_bad_reply(fmt::format("WAIT after {}", what));
   if (acks >= o.min_replica_acks) return;
-  throw durability_error("idem: " + std::string(what) + " was written on the Redis primary at " + where + " but " +
-                             std::to_string(acks) + " of the " + std::to_string(o.min_replica_acks) +
-                             " replica(s) asked for (min_replica_acks) acknowledged it within replica_ack_timeout (" +
-                             ms(o.replica_ack_timeout) + "): a failover now could lose it" + effect +
-                             ". If replicas are missing or lagging, see INFO replication on the primary",
+  throw durability_error(fmt::format("idem: {} was written on the Redis primary at {} but {} of the {} replica(s) "
+                                     "asked for (min_replica_acks) acknowledged it within replica_ack_timeout ({}): a "
+                                     "failover now could lose it{}. If replicas are missing or lagging, see INFO "
+                                     "replication on the primary",
+                                     what, where, acks, o.min_replica_acks, ms(o.replica_ack_timeout), effect),
                          static_cast<int>(acks), o.min_replica_acks);
 }
 
@@ -316,7 +322,7 @@ void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const 
   bool changed = false;
   for (std::size_t i = 0; i < n && !changed; ++i) changed = wrote(s, replies[i].get());
   if (!changed) return;  // a duplicate or in_flight answer: nothing a failover could lose
-  const std::string what = std::string(script(s).name) + (n > 1 ? " (" + std::to_string(n) + " calls)" : "");
+  const std::string what = n > 1 ? fmt::format("{} ({} calls)", script(s).name, n) : std::string(script(s).name);
   try {
     check_wait(wait.get(), s, what, opt_, where());
   } catch (const durability_error&) {
@@ -439,15 +445,14 @@ namespace detail::redis {
 
 ClientHandle::ClientHandle(std::shared_ptr<RedisClient> client, const char* owner)
     : client_(std::move(client)), owner_(owner) {
-  if (!client_) throw usage_error(std::string("idem: ") + owner + " needs a RedisClient, got a null pointer");
+  if (!client_) throw usage_error(fmt::format("idem: {} needs a RedisClient, got a null pointer", owner));
 }
 ClientHandle::~ClientHandle() = default;
 ClientHandle::ClientHandle(ClientHandle&&) noexcept = default;
 ClientHandle& ClientHandle::operator=(ClientHandle&&) noexcept = default;
 
 Client& ClientHandle::impl() const {
-  if (!client_)
-    throw usage_error(std::string("idem: this ") + owner_ + " was moved from; use the store it was moved to");
+  if (!client_) throw usage_error(fmt::format("idem: this {} was moved from; use the store it was moved to", owner_));
   return *client_->impl_;
 }
 const RedisOptions& ClientHandle::options() const { return impl().options(); }

@@ -6,8 +6,11 @@
 #include <charconv>
 #include <exception>
 #include <future>
+#include <iterator>
 #include <thread>
 #include <utility>
+
+#include <fmt/format.h>
 
 #include "idem/core/error.hpp"
 
@@ -24,9 +27,10 @@ bool parse_number(std::string_view s, int lo, int hi, int& out) {
 }
 
 [[noreturn]] void bad_slots(const std::string& asked, std::string_view why) {
-  throw store_error("idem: unexpected CLUSTER SLOTS reply from " + asked + ": " + std::string(why) +
-                        "; is it a Redis Cluster node (cluster-enabled yes)?",
-                    "", false);
+  throw store_error(
+      fmt::format("idem: unexpected CLUSTER SLOTS reply from {}: {}; is it a Redis Cluster node (cluster-enabled yes)?",
+                  asked, why),
+      "", false);
 }
 
 }  // namespace
@@ -102,9 +106,9 @@ Cluster::Cluster(const RedisOptions& o)
       if (owner_[static_cast<std::size_t>(s)] < 0 && uncovered++ == 0) first_uncovered = s;
   }
   if (uncovered > 0)
-    throw store_error("idem: " + std::to_string(uncovered) + " of the 16384 slots of the Redis Cluster have no master (slot " +
-                          std::to_string(first_uncovered) +
-                          " the first); is the cluster formed and ok (CLUSTER INFO: cluster_state)? retry later",
+    throw store_error(fmt::format("idem: {} of the 16384 slots of the Redis Cluster have no master (slot {} the "
+                                  "first); is the cluster formed and ok (CLUSTER INFO: cluster_state)? retry later",
+                                  uncovered, first_uncovered),
                       "CLUSTERDOWN", true);
   for (const Endpoint& m : masters) (void)node_at(m);  // every master reachable, its scripts loaded
 }
@@ -127,12 +131,12 @@ void Cluster::refresh() {
     try {
       ReplyPtr r = node_at(at)->call(ask, "to CLUSTER SLOTS", -1);
       if (is_error(r.get())) {
-        why += "; " + name + ": " + std::string(reply_text(r.get()));
+        fmt::format_to(std::back_inserter(why), "; {}: {}", name, reply_text(r.get()));
         continue;
       }
       std::vector<SlotRange> ranges = parse_slots(r.get(), at.host);
       if (ranges.empty()) {
-        why += "; " + name + ": no slot assigned";
+        fmt::format_to(std::back_inserter(why), "; {}: no slot assigned", name);
         continue;
       }
       std::array<std::int16_t, slot_count> owner;
@@ -154,13 +158,15 @@ void Cluster::refresh() {
       refreshes_.fetch_add(1);
       return;
     } catch (const error& e) {
-      why += "; " + name + ": " + e.what();
+      fmt::format_to(std::back_inserter(why), "; {}: {}", name, e.what());
     }
   }
   stale_.store(true);
-  throw connection_error("idem: no Redis Cluster node answered CLUSTER SLOTS" + why +
-                             "; are the nodes in cluster_nodes running? retry later",
-                         "CLUSTER", true);
+  throw connection_error(
+      fmt::format("idem: no Redis Cluster node answered CLUSTER SLOTS{}; are the nodes in cluster_nodes running? retry "
+                  "later",
+                  why),
+      "CLUSTER", true);
 }
 
 void Cluster::refresh_if_stale() {
@@ -208,9 +214,10 @@ std::shared_ptr<Client> Cluster::node_of(int slot) {
   }
   if (i < 0) {
     suspect();
-    throw store_error("idem: no master serves slot " + std::to_string(slot) +
-                          " in the Redis Cluster's map (a failover under way?); retry later",
-                      "CLUSTERDOWN", true);
+    throw store_error(
+        fmt::format("idem: no master serves slot {} in the Redis Cluster's map (a failover under way?); retry later",
+                    slot),
+        "CLUSTERDOWN", true);
   }
   std::shared_ptr<Client> c = node_at(at);
   std::lock_guard lock(mu_);
@@ -240,9 +247,10 @@ ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send) {
       return r;  // the caller maps it
     }
     if (hop >= max_redirects_)
-      throw store_error("idem: the Redis Cluster redirected " + std::string(what) + " of slot " + std::to_string(slot) +
-                            " " + std::to_string(hop) + " times (RedisOptions::max_redirects), the last answer: " +
-                            std::string(text) + "; a slot is moving or the map is inconsistent: retry later",
+      throw store_error(fmt::format("idem: the Redis Cluster redirected {} of slot {} {} times "
+                                    "(RedisOptions::max_redirects), the last answer: {}; a slot is moving or the map "
+                                    "is inconsistent: retry later",
+                                    what, slot, hop, text),
                         "REDIRECTS", true);
     if (!to) {
       // A key of a multi-key call moved while another did not (a slot in migration): it ran

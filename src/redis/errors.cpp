@@ -6,6 +6,8 @@
 #include <cstring>
 #include <string>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "idem/core/error.hpp"
 
@@ -22,48 +24,55 @@ const ReplyErrorHints sequence_hints{
     "; the server is at maxmemory under noeviction: raise maxmemory",
     "; the ACL user needs EVALSHA, SCRIPT LOAD, GET, SET and DEL on the key prefix", "idem", true};
 
-std::string ms(millis d) { return std::to_string(d.count()) + " ms"; }
+std::string ms(millis d) { return fmt::format("{} ms", d.count()); }
 
 void throw_reply_error(std::string_view text, std::string_view what, const ReplyErrorHints& hints) {
   const std::string code(error_code(text));
-  const std::string msg = "idem: Redis refused " + std::string(what) + ": " + std::string(text);
+  const std::string msg = fmt::format("idem: Redis refused {}: {}", what, text);
   if (code == "IDEMCORRUPT")
     // min: a bare "IDEMCORRUPT" (no text after the code) is still a corrupt record, not std::out_of_range.
-    throw corrupt_record_error("idem: " + std::string(what) + ": " +
-                               std::string(text.substr(std::min(text.size(), code.size() + 1))) +
-                               std::string(hints.corrupt));
+    throw corrupt_record_error(
+        fmt::format("idem: {}: {}{}", what, text.substr(std::min(text.size(), code.size() + 1)), hints.corrupt));
   if (hints.usage_code && code == "IDEMUSAGE") throw usage_error(msg);
-  if (code == "OOM") throw capacity_error(msg + std::string(hints.oom), code, true);
+  if (code == "OOM") throw capacity_error(fmt::format("{}{}", msg, hints.oom), code, true);
   if (code == "READONLY")
-    throw store_error(msg + "; the server is a read-only replica (failover in progress?): point idem at the primary",
+    throw store_error(fmt::format("{}; the server is a read-only replica (failover in progress?): point idem at the "
+                                  "primary",
+                                  msg),
                       code, true);
   if (code == "NOAUTH" || code == "WRONGPASS")
-    throw store_error(msg + "; set RedisOptions::user/password (or the URL) to credentials the server accepts", code,
-                      false);
-  if (code == "NOPERM") throw store_error(msg + std::string(hints.noperm), code, false);
+    throw store_error(
+        fmt::format("{}; set RedisOptions::user/password (or the URL) to credentials the server accepts", msg), code,
+        false);
+  if (code == "NOPERM") throw store_error(fmt::format("{}{}", msg, hints.noperm), code, false);
   if (code == "WRONGTYPE")
-    throw store_error(msg + "; another application wrote a non-string value under idem's key prefix: use a prefix "
-                            "of idem's own",
+    throw store_error(fmt::format("{}; another application wrote a non-string value under idem's key prefix: use a "
+                                  "prefix of idem's own",
+                                  msg),
                       code, false);
   if (code == "LOADING" || code == "BUSY" || code == "MASTERDOWN" || code == "TRYAGAIN" || code == "CLUSTERDOWN")
-    throw store_error(msg + "; the server is temporarily unable to serve, retry later", code, true);
+    throw store_error(fmt::format("{}; the server is temporarily unable to serve, retry later", msg), code, true);
   // min-replicas-to-write unmet: nothing was written (Redis checks before the script's first
   // write, and a script that fails there writes nothing), and the replicas may come back.
   if (code == "NOREPLICAS")
-    throw store_error(msg + "; the primary has fewer replicas than min-replicas-to-write, retry later", code, true);
+    throw store_error(fmt::format("{}; the primary has fewer replicas than min-replicas-to-write, retry later", msg),
+                      code, true);
   if (code == "MOVED" || code == "ASK")
-    throw store_error(msg + "; this is a Redis Cluster node: connect with redis-cluster://host:port[,host:port...] "
-                            "(RedisOptions::cluster_nodes) so " + std::string(hints.who) + " routes by slot",
+    throw store_error(fmt::format("{}; this is a Redis Cluster node: connect with "
+                                  "redis-cluster://host:port[,host:port...] (RedisOptions::cluster_nodes) so {} routes "
+                                  "by slot",
+                                  msg, hints.who),
                       code, false);
   if (code == "CROSSSLOT")
-    throw store_error(msg + "; the keys of one call hash to different cluster slots: give them one {hash tag}", code,
-                      false);
+    throw store_error(
+        fmt::format("{}; the keys of one call hash to different cluster slots: give them one {{hash tag}}", msg), code,
+        false);
   if (text.find("max number of clients") != std::string_view::npos) throw connection_error(msg, code, true);
   throw store_error(msg, code, false);
 }
 
 void throw_bad_reply(std::string_view what) {
-  throw store_error("idem: unexpected Redis reply to " + std::string(what), "", false);
+  throw store_error(fmt::format("idem: unexpected Redis reply to {}", what), "", false);
 }
 
 IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout) {
@@ -72,25 +81,26 @@ IoFailure io_failure(const redisContext* c, const char* during, const std::strin
   const bool timed_out = c->err == REDIS_ERR_IO && (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT ||
                                                     text.find("temporarily unavailable") != std::string::npos);
   if (timed_out)
-    return {"Redis at " + where + " did not answer " + during + " within command_timeout (" + ms(command_timeout) + ")",
-            true};
-  return {"connection to Redis at " + where + " broke " + during + ": " + text, false};
+    return {
+        fmt::format("Redis at {} did not answer {} within command_timeout ({})", where, during, ms(command_timeout)),
+        true};
+  return {fmt::format("connection to Redis at {} broke {}: {}", where, during, text), false};
 }
 
 void throw_io_error(const IoFailure& f, bool maybe_ran) {
-  const std::string msg = "idem: " + f.text +
-                          (maybe_ran ? "; the command may or may not have run, so nothing is assumed (retry later)"
-                                     : "; retry later");
+  const std::string msg = fmt::format(
+      "idem: {}{}", f.text,
+      maybe_ran ? "; the command may or may not have run, so nothing is assumed (retry later)" : "; retry later");
   if (f.timed_out) throw timeout_error(msg, "", true);
   throw connection_error(msg, "", true);
 }
 
 void throw_outcome_unknown(const IoFailure& first, std::string_view what, std::string_view second, std::string code) {
-  throw outcome_unknown_error("idem: the outcome of " + std::string(what) + " is unknown: " + first.text +
-                                  ", and sending it once more as the same holder did not settle it (" +
-                                  std::string(second) +
-                                  "); it may or may not have been written. Nothing is assumed: a key it acquired "
-                                  "lapses after its lease, a completion it made stands",
+  throw outcome_unknown_error(fmt::format("idem: the outcome of {} is unknown: {}, and sending it once more as the "
+                                          "same holder did not settle it ({}); it may or may not have been written. "
+                                          "Nothing is assumed: a key it acquired lapses after its lease, a completion "
+                                          "it made stands",
+                                          what, first.text, second),
                               std::move(code));
 }
 

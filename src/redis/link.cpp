@@ -14,6 +14,8 @@
 #include <sys/socket.h>
 #include <sys/time.h>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 
 namespace idem::detail::redis {
@@ -37,8 +39,8 @@ void add_auth(Pipeline& p, const std::string& user, const std::string& password)
 
 std::string describe(const Endpoint& e) {
   if (e.port == 0) return e.host;
-  return e.host.find(':') != std::string::npos ? "[" + e.host + "]:" + std::to_string(e.port)
-                                               : e.host + ":" + std::to_string(e.port);
+  return e.host.find(':') != std::string::npos ? fmt::format("[{}]:{}", e.host, e.port)
+                                               : fmt::format("{}:{}", e.host, e.port);
 }
 
 // The one write path. hiredis's own writer uses write(2), which raises SIGPIPE on a socket the
@@ -103,8 +105,9 @@ void limit_aggregates(redisReader* r) noexcept {
 
 const char* reader_error(int err, const char* errstr) noexcept {
   if (err != REDIS_ERR_OOM) return errstr;
-  static const std::string text = "a reply announced more than " + std::to_string(max_reply_elements) +
-                                  " elements (not a Redis server's reply, or a damaged one), or memory ran out";
+  static const std::string text = fmt::format(
+      "a reply announced more than {} elements (not a Redis server's reply, or a damaged one), or memory ran out",
+      max_reply_elements);
   return text.c_str();
 }
 
@@ -165,11 +168,12 @@ Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* r
   limit_aggregates(c->reader);
   const std::string at = describe(to);
   if (c->err)
-    throw connection_error("idem: cannot connect to " + std::string(role) + " at " + at + " within connect_timeout (" +
-                               ms(opt_.connect_timeout) + "): " + c->errstr + "; is it running there? retry later",
+    throw connection_error(fmt::format("idem: cannot connect to {} at {} within connect_timeout ({}): {}; is it "
+                                       "running there? retry later",
+                                       role, at, ms(opt_.connect_timeout), c->errstr),
                            "", true);
   if (redisSetTimeout(c.get(), to_timeval(opt_.command_timeout)) != REDIS_OK)
-    throw connection_error("idem: cannot set the command timeout on a Redis socket: " + std::string(c->errstr), "",
+    throw connection_error(fmt::format("idem: cannot set the command timeout on a Redis socket: {}", c->errstr), "",
                            true);
   Link link{std::move(c), nullptr};
   if (tls != nullptr) link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout);

@@ -3,7 +3,10 @@
 
 #include <charconv>
 #include <chrono>
+#include <iterator>
 #include <string>
+
+#include <fmt/format.h>
 
 #include "client.hpp"
 #include "idem/core/error.hpp"
@@ -49,7 +52,8 @@ Endpoint Client::discover() const {
       Link c = open(sentinels_[i], "the Redis sentinel", opt_.tls.sentinels ? tls_.get() : nullptr);
       // Not read_reply: its messages name the master, whose lock this thread holds.
       auto failed = [&](const char* during) {
-        why += "; " + at + ": " + io_failure(c.context.get(), during, at, opt_.command_timeout).text;
+        fmt::format_to(std::back_inserter(why), "; {}: {}", at,
+                       io_failure(c.context.get(), during, at, opt_.command_timeout).text);
       };
       if (c.write(p.all()) != p.all().size()) {
         failed("while sending");
@@ -69,7 +73,7 @@ Endpoint Client::discover() const {
       }
       if (broke) continue;
       if (!refused.empty()) {
-        why += "; " + at + " refused: " + refused;
+        fmt::format_to(std::back_inserter(why), "; {} refused: {}", at, refused);
         continue;
       }
       const redisReply* r = last.get();
@@ -83,22 +87,25 @@ Endpoint Client::discover() const {
           return {std::string(reply_text(r->element[0])), port};
         }
       }
-      why += "; " + at + " does not know a master named '" + opt_.sentinel_master + "'";
+      fmt::format_to(std::back_inserter(why), "; {} does not know a master named '{}'", at, opt_.sentinel_master);
     } catch (const error& e) {
-      why += "; " + at + ": " + e.what();
+      fmt::format_to(std::back_inserter(why), "; {}: {}", at, e.what());
       if (const auto* ce = dynamic_cast<const connection_error*>(&e); ce && ce->code() == "TLS" && !ce->retryable())
         ++tls_refused;
     }
   }
-  const std::string msg = "idem: no sentinel named the Redis master '" + opt_.sentinel_master + "'" + why;
+  const std::string msg = fmt::format("idem: no sentinel named the Redis master '{}'{}", opt_.sentinel_master, why);
   // Every sentinel failed a TLS check: asking again cannot help.
   if (tls_refused > 0 && static_cast<std::size_t>(tls_refused) == sentinels_.size())
-    throw connection_error(msg + ". Check the TLS settings (RedisOptions::tls, tls.sentinels)", "TLS", false);
+    throw connection_error(fmt::format("{}. Check the TLS settings (RedisOptions::tls, tls.sentinels)", msg), "TLS",
+                           false);
   if (any_answer)
-    throw connection_error(msg + ". Check sentinel_master against `sentinel monitor <name> ...` (SENTINEL MASTERS "
-                                 "lists the names); retry later if a failover is under way",
+    throw connection_error(fmt::format("{}. Check sentinel_master against `sentinel monitor <name> ...` (SENTINEL "
+                                       "MASTERS lists the names); retry later if a failover is under way",
+                                       msg),
                            "SENTINEL", true);
-  throw connection_error(msg + ". Are the sentinels running at those addresses? retry later", "SENTINEL", true);
+  throw connection_error(fmt::format("{}. Are the sentinels running at those addresses? retry later", msg), "SENTINEL",
+                         true);
 }
 
 }  // namespace idem::detail::redis

@@ -8,6 +8,8 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
@@ -26,8 +28,9 @@ std::uint64_t parse_seq(std::string_view s, std::string_view entity) {
   const bool canonical = !s.empty() && s.size() <= 20 && (s.size() == 1 || s[0] != '0');
   auto res = std::from_chars(s.data(), s.data() + s.size(), v);
   if (!canonical || res.ec != std::errc{} || res.ptr != s.data() + s.size())
-    throw corrupt_record_error("idem: the Redis sequence of entity '" + printable(entity) + "' holds '" +
-                               printable(s, 32) + "', not a decimal uint64; delete or repair the key");
+    throw corrupt_record_error(fmt::format(
+        "idem: the Redis sequence of entity '{}' holds '{}', not a decimal uint64; delete or repair the key",
+        printable(entity), printable(s, 32)));
   return v;
 }
 
@@ -42,7 +45,7 @@ AdvanceResult advance_result(std::int64_t code, std::string_view prev, std::stri
   if (!prev.empty()) out.previous = parse_seq(prev, entity);
   // The script only writes when the value grows; a reply saying otherwise is a broken script.
   if (out.previous && out.advanced != (*out.previous < seq))
-    throw store_error("idem: inconsistent Redis reply to " + what(), "", false);
+    throw store_error(fmt::format("idem: inconsistent Redis reply to {}", what()), "", false);
   return out;
 }
 
@@ -77,7 +80,7 @@ ReplyPtr run(Client& client, Script s, Command& cmd, int slot, const What& what)
 
 // GET and DEL of the entity's key: one plain command whose reply must be of `expected` type (or nil).
 ReplyPtr key_command(Client& client, const char* name, std::string_view entity, int expected) {
-  auto what = [&] { return std::string(name) + " of the sequence of entity '" + printable(entity) + "'"; };
+  auto what = [&] { return fmt::format("{} of the sequence of entity '{}'", name, printable(entity)); };
   Command cmd;
   entity_key(cmd.arg(name), client.options(), entity);
   ReplyPtr r = client.call(cmd.format(), "to the command", entity_slot(client, entity));
@@ -104,7 +107,7 @@ std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view e
 AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t seq) {
   detail::check_entity(entity);
   Client& c = impl();
-  auto what = [&] { return "sequence_advance of entity '" + printable(entity) + "'"; };
+  auto what = [&] { return fmt::format("sequence_advance of entity '{}'", printable(entity)); };
   Command cmd = Client::evalsha(Script::sequence_advance, 1);
   entity_key(cmd, c.options(), entity).arg(seq);
   ReplyPtr r = run(c, Script::sequence_advance, cmd, entity_slot(c, entity), what);
@@ -119,7 +122,9 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   detail::check_holder(key, h);
   detail::check_lease(retention, "retention");
   Client& c = impl();
-  auto what = [&] { return "complete_advance of key '" + printable(key) + "' and entity '" + printable(entity) + "'"; };
+  auto what = [&] {
+    return fmt::format("complete_advance of key '{}' and entity '{}'", printable(key), printable(entity));
+  };
   const int slot = checked_slot(store, key, entity);
   Command cmd = Client::evalsha(Script::complete_advance, 2);
   cmd.joined({c.options().key_prefix, key});
@@ -134,11 +139,14 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   // The result is recorded by now; a damaged sequence key is reported, so the message is not acked
   // and its redelivery (a duplicate) stops at the same key until someone repairs it.
   if (code == -1)
-    throw corrupt_record_error("idem: the result of key '" + printable(key) +
-                               "' was recorded, but the Redis sequence of entity '" + printable(entity) + "' holds '" +
-                               printable(prev) + "', not a decimal uint64, so it was not advanced; repair the key");
+    throw corrupt_record_error(
+        fmt::format("idem: the result of key '{}' was recorded, but the Redis sequence of "
+                    "entity '{}' holds '{}', not a decimal uint64, so it was not advanced; "
+                    "repair the key",
+                    printable(key), printable(entity), printable(prev)));
   if (code == -2)
-    throw_reply_error(prev, what() + " (the result was recorded; the sequence key is not a string)", sequence_hints);
+    throw_reply_error(prev, fmt::format("{} (the result was recorded; the sequence key is not a string)", what()),
+                      sequence_hints);
   out.advance = advance_result(code, prev, entity, seq, what);
   return out;
 }
@@ -154,10 +162,12 @@ int RedisSequenceStore::checked_slot(RedisStore& store, std::string_view key, st
   // Refused here rather than answered CROSSSLOT by the server.
   const int slot = entity_slot(c, entity);
   if (slot >= 0 && c.slot_of({c.options().key_prefix, key}) != slot)
-    throw usage_error("idem: on a Redis Cluster the key '" + printable(key) + "' and the sequence of entity '" +
-                      printable(entity) + "' must hash to one slot (one script writes both): put the entity's hash tag "
-                      "in the key, as '{" + printable(entity) + "}:" + printable(key) +
-                      "' (a key's first {...} decides its slot); or complete and advance in two steps");
+    throw usage_error(
+        fmt::format("idem: on a Redis Cluster the key '{}' and the sequence of entity '{}' must hash "
+                    "to one slot (one script writes both): put the entity's hash tag in the key, as "
+                    "'{{{}}}:{}' (a key's first {{...}} decides its slot); or complete and advance in "
+                    "two steps",
+                    printable(key), printable(entity), printable(entity), printable(key)));
   return slot;
 }
 
@@ -169,7 +179,7 @@ bool RedisSequenceStore::erase(std::string_view entity) {
   detail::check_entity(entity);
   ReplyPtr r = key_command(impl(), "DEL", entity, REDIS_REPLY_INTEGER);
   if (r->type != REDIS_REPLY_INTEGER)
-    throw_bad_reply("DEL of the sequence of entity '" + printable(entity) + "'");
+    throw_bad_reply(fmt::format("DEL of the sequence of entity '{}'", printable(entity)));
   return r->integer > 0;
 }
 

@@ -10,6 +10,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "store_requests.hpp"
 #include "idem/core/error.hpp"
@@ -40,8 +42,8 @@ std::int64_t integer(const redisReply* r, std::string_view what, std::string_vie
 }  // namespace
 
 void bad_reply(std::string_view what, std::string_view key) {
-  throw_bad_reply(std::string(what) + " of key '" + printable(key) +
-                  "'; is the server a Redis-compatible one running idem's scripts?");
+  throw_bad_reply(fmt::format("{} of key '{}'; is the server a Redis-compatible one running idem's scripts?", what,
+                              printable(key)));
 }
 
 AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token) {
@@ -87,8 +89,9 @@ WriteStatus parse_write(const redisReply* r, std::string_view what, std::string_
 // The record stores the fingerprint's length in 16 bits.
 void check_fingerprint(const AcquireParams& p) {
   if (p.fingerprint.size() > 65535)
-    throw invalid_options_error("idem: RedisStore keeps fingerprints of up to 65535 bytes, got " +
-                                std::to_string(p.fingerprint.size()) + "; pass a hash (idem::fingerprint)");
+    throw invalid_options_error(
+        fmt::format("idem: RedisStore keeps fingerprints of up to 65535 bytes, got {}; pass a hash (idem::fingerprint)",
+                    p.fingerprint.size()));
 }
 
 Command eval_one(const RedisOptions& o, Script s, std::string_view key) {
@@ -178,25 +181,31 @@ StoreLimits check_server(Client& client) {
     if (o.observer) o.observer->on_warning(m);
   };
   if (!cfg.problem.empty()) {
-    warn("idem: cannot read the Redis settings maxmemory, maxmemory-policy and proto-max-bulk-len (" + cfg.problem +
-         "); make sure maxmemory-policy is noeviction (or maxmemory 0), or idempotency records can be evicted; "
-         "the ACL user needs +config|get for idem to check it");
+    warn(
+        fmt::format("idem: cannot read the Redis settings maxmemory, maxmemory-policy and proto-max-bulk-len ({}); "
+                    "make sure maxmemory-policy is noeviction (or maxmemory 0), or idempotency records can be "
+                    "evicted; the ACL user needs +config|get for idem to check it",
+                    cfg.problem));
   } else if (cfg.policy != "noeviction") {
-    const std::string why = "Redis maxmemory-policy is '" + cfg.policy +
-                            "': idem's records all carry a TTL, so every policy but noeviction (volatile-* "
-                            "included) can evict them, and their messages would run again";
+    const std::string why = fmt::format(
+        "Redis maxmemory-policy is '{}': idem's records all carry a TTL, so every "
+        "policy but noeviction (volatile-* included) can evict them, and their "
+        "messages would run again",
+        cfg.policy);
     if (cfg.maxmemory == 0) {
-      warn("idem: " + why + " once maxmemory is set (it is 0 now, so nothing is evicted); set maxmemory-policy "
-           "noeviction");
+      warn(
+          fmt::format("idem: {} once maxmemory is set (it is 0 now, so nothing is evicted); set maxmemory-policy "
+                      "noeviction",
+                      why));
     } else if (o.unsafe_allow_eviction) {
-      warn("idem: " + why + " (maxmemory " + std::to_string(cfg.maxmemory) +
-           "); accepted because RedisOptions::unsafe_allow_eviction is set");
+      warn(fmt::format("idem: {} (maxmemory {}); accepted because RedisOptions::unsafe_allow_eviction is set", why,
+                       cfg.maxmemory));
     } else {
-      throw store_error("idem: RedisStore refuses this server: " + why + " (maxmemory " +
-                            std::to_string(cfg.maxmemory) +
-                            "). Fix: CONFIG SET maxmemory-policy noeviction (at the limit, writes then fail with "
-                            "OOM and are retried), or maxmemory 0; or accept the risk with "
-                            "RedisOptions::unsafe_allow_eviction = true",
+      throw store_error(fmt::format("idem: RedisStore refuses this server: {} (maxmemory {}). Fix: CONFIG SET "
+                                    "maxmemory-policy noeviction (at the limit, writes then fail with OOM and are "
+                                    "retried), or maxmemory 0; or accept the risk with "
+                                    "RedisOptions::unsafe_allow_eviction = true",
+                                    why, cfg.maxmemory),
                         "EVICTION", false);
     }
   }
@@ -222,12 +231,11 @@ ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
   try {
     r = client.eval(s, cmd.format(), store_hints, resend_of(s), client.slot_of({client.options().key_prefix, key}));
   } catch (const outcome_unknown_error& e) {  // the client knows the script, not the key
-    throw outcome_unknown_error(std::string(e.what()) + " (key '" + printable(key) + "')", e.code());
+    throw outcome_unknown_error(fmt::format("{} (key '{}')", e.what(), printable(key)), e.code());
   } catch (const durability_error& e) {
-    throw durability_error(std::string(e.what()) + " (key '" + printable(key) + "')", e.acks(), e.wanted());
+    throw durability_error(fmt::format("{} (key '{}')", e.what(), printable(key)), e.acks(), e.wanted());
   }
-  throw_if_error(r.get(), store_hints,
-                 [&] { return std::string(script(s).name) + " of key '" + printable(key) + "'"; });
+  throw_if_error(r.get(), store_hints, [&] { return fmt::format("{} of key '{}'", script(s).name, printable(key)); });
   return r;
 }
 
@@ -288,9 +296,8 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
     const redisReply* r = replies[c].get();
     const Run& run = runs[c];
     const std::string_view first = key_of(items[order[run.from]]);
-    throw_if_error(r, store_hints, [&] {
-      return std::string(name) + " of " + std::to_string(run.n) + " keys from '" + printable(first) + "'";
-    });
+    throw_if_error(r, store_hints,
+                   [&] { return fmt::format("{} of {} keys from '{}'", name, run.n, printable(first)); });
     if (r->type != REDIS_REPLY_ARRAY || r->elements != run.n) bad_reply(name, first);
     for (std::size_t i = 0; i < run.n; ++i) {
       const std::size_t item = order[run.from + i];
@@ -398,7 +405,7 @@ std::vector<WriteStatus> RedisStore::BatchWriter::finish() {
   for (std::size_t i = 0; i < replies.size(); ++i) {
     const std::string& key = impl_->made[i].first;
     const char* step = impl_->made[i].second;
-    throw_if_error(replies[i].get(), store_hints, [&] { return std::string(step) + " of key '" + printable(key) + "'"; });
+    throw_if_error(replies[i].get(), store_hints, [&] { return fmt::format("{} of key '{}'", step, printable(key)); });
     out.push_back(parse_write(replies[i].get(), step, key));
   }
   return out;

@@ -17,6 +17,8 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
 
@@ -30,7 +32,7 @@ std::string openssl_reason() {
   ERR_clear_error();
   if (e == 0) return {};
   const char* reason = ERR_reason_error_string(e);
-  return reason != nullptr ? reason : "OpenSSL error " + std::to_string(ERR_GET_REASON(e));
+  return reason != nullptr ? reason : fmt::format("OpenSSL error {}", ERR_GET_REASON(e));
 }
 
 // The socket BIO of every session: send(2) with MSG_NOSIGNAL, as the plain path writes (OpenSSL's
@@ -85,8 +87,8 @@ bool is_ip_address(const std::string& host) {
 void check_readable(const std::string& path, const char* field, bool directory = false) {
   if (path.empty()) return;
   if (::access(path.c_str(), directory ? (R_OK | X_OK) : R_OK) != 0)
-    throw invalid_options_error("idem: RedisOptions: " + std::string(field) + " '" + printable(path, 200) +
-                                "' cannot be read: " + std::strerror(errno));
+    throw invalid_options_error(fmt::format("idem: RedisOptions: {} '{}' cannot be read: {}", field,
+                                            printable(path, 200), std::strerror(errno)));
 }
 
 // Password-protected keys are refused rather than prompted for on the terminal.
@@ -105,25 +107,28 @@ std::string verify_failure(long code, const std::string& name) {
   switch (code) {
     case X509_V_ERR_HOSTNAME_MISMATCH:
     case X509_V_ERR_IP_ADDRESS_MISMATCH:
-      return "host name check: " + text + ", the certificate does not name '" + printable(name, 200) +
-             "' (set tls.server_name to a name it carries, or connect by that name)";
+      return fmt::format(
+          "host name check: {}, the certificate does not name '{}' (set tls.server_name to a name it "
+          "carries, or connect by that name)",
+          text, printable(name, 200));
     case X509_V_ERR_CERT_HAS_EXPIRED:
     case X509_V_ERR_CERT_NOT_YET_VALID:
     case X509_V_ERR_CRL_HAS_EXPIRED:
-      return "validity period check: " + text + " (renew the server's certificate, or check this host's clock)";
+      return fmt::format("validity period check: {} (renew the server's certificate, or check this host's clock)",
+                         text);
     case X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT_LOCALLY:
     case X509_V_ERR_UNABLE_TO_GET_ISSUER_CERT:
     case X509_V_ERR_DEPTH_ZERO_SELF_SIGNED_CERT:
     case X509_V_ERR_SELF_SIGNED_CERT_IN_CHAIN:
     case X509_V_ERR_CERT_UNTRUSTED:
-      return "chain of trust check: " + text +
-             " (is tls.ca_file / tls.ca_dir the CA that signed the server's certificate?)";
-    default: return "certificate check: " + text;
+      return fmt::format(
+          "chain of trust check: {} (is tls.ca_file / tls.ca_dir the CA that signed the server's certificate?)", text);
+    default: return fmt::format("certificate check: {}", text);
   }
 }
 
 [[noreturn]] void refuse(const std::string& at, const char* role, const std::string& why) {
-  throw connection_error("idem: TLS with " + std::string(role) + " at " + at + " failed: " + why, "TLS", false);
+  throw connection_error(fmt::format("idem: TLS with {} at {} failed: {}", role, at, why), "TLS", false);
 }
 
 }  // namespace
@@ -135,13 +140,15 @@ Tls::Tls(const RedisTlsOptions& o) : server_name_(o.server_name), verify_hostnam
   check_readable(o.key_file, "tls.key_file");
   ERR_clear_error();
   ctx_ = SSL_CTX_new(TLS_client_method());
-  if (ctx_ == nullptr) throw connection_error("idem: cannot create a TLS context: " + openssl_reason(), "TLS", false);
+  if (ctx_ == nullptr)
+    throw connection_error(fmt::format("idem: cannot create a TLS context: {}", openssl_reason()), "TLS", false);
   auto bad = [&](const std::string& field, const std::string& path) {
     const std::string why = openssl_reason();
     SSL_CTX_free(ctx_);
     ctx_ = nullptr;
-    throw invalid_options_error("idem: RedisOptions: " + field + " '" + printable(path, 200) +
-                                "' cannot be used: " + (why.empty() ? "not a PEM file of the right kind" : why));
+    throw invalid_options_error(fmt::format("idem: RedisOptions: {} '{}' cannot be used: {}", field,
+                                            printable(path, 200),
+                                            why.empty() ? "not a PEM file of the right kind" : why));
   };
   SSL_CTX_set_min_proto_version(ctx_, o.min_version == TlsVersion::tls1_3 ? TLS1_3_VERSION : TLS1_2_VERSION);
   SSL_CTX_set_verify(ctx_, SSL_VERIFY_PEER, nullptr);
@@ -172,7 +179,8 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
   ERR_clear_error();
   s->ssl_ = SSL_new(ctx_);
   BIO* bio = s->ssl_ != nullptr ? BIO_new(socket_method()) : nullptr;
-  if (bio == nullptr) throw connection_error("idem: cannot create a TLS session: " + openssl_reason(), "TLS", true);
+  if (bio == nullptr)
+    throw connection_error(fmt::format("idem: cannot create a TLS session: {}", openssl_reason()), "TLS", true);
   BIO_set_data(bio, s.get());
   SSL_set_bio(s->ssl_, bio, bio);
   SSL_set_app_data(s->ssl_, s.get());
@@ -184,7 +192,7 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
     X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
     const int ok = is_ip_address(name) ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str())
                                        : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
-    if (ok != 1) refuse(at, role, "'" + printable(name, 200) + "' cannot be checked as a host name");
+    if (ok != 1) refuse(at, role, fmt::format("'{}' cannot be checked as a host name", printable(name, 200)));
   }
 
   // Non-blocking, so the handshake as a whole (several round trips) is bounded by `timeout`.
@@ -205,15 +213,16 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
         while (n < 0 && errno == EINTR);
       }
       if (n > 0) continue;
-      throw timeout_error("idem: TLS handshake with " + std::string(role) + " at " + at +
-                              " did not complete within connect_timeout (" + std::to_string(timeout.count()) +
-                              " ms): the network is slow, or it is a plain-text port (a Redis without TLS waits "
-                              "for more of what it takes for a command); retry later, or use redis:// for a "
-                              "plain-text port",
+      throw timeout_error(fmt::format("idem: TLS handshake with {} at {} did not complete within connect_timeout ({} "
+                                      "ms): the network is slow, or it is a plain-text port (a Redis without TLS "
+                                      "waits for more of what it takes for a command); retry later, or use redis:// "
+                                      "for a plain-text port",
+                                      role, at, timeout.count()),
                           "TLS", true);
     }
     const long verify = SSL_get_verify_result(s->ssl_);
-    if (verify != X509_V_OK) refuse(at, role, "the server's certificate was refused by the " + verify_failure(verify, name));
+    if (verify != X509_V_OK)
+      refuse(at, role, fmt::format("the server's certificate was refused by the {}", verify_failure(verify, name)));
     if (err == SSL_ERROR_SSL) {
       const unsigned long e = ERR_peek_error();
       const int reason = ERR_GET_REASON(e);
@@ -222,20 +231,24 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
           reason == SSL_R_UNKNOWN_PROTOCOL ||
           reason == SSL_R_UNEXPECTED_EOF_WHILE_READING || reason == SSL_R_HTTP_REQUEST)
         refuse(at, role,
-               "it did not answer in TLS (" + text +
-                   "): is it a plain-text port? use redis:// for it, or the server's tls-port for rediss://");
+               fmt::format("it did not answer in TLS ({}): is it a plain-text port? use redis:// for it, or the "
+                           "server's tls-port for rediss://",
+                           text));
       if (s->certificate_asked_)
-        refuse(at, role, "the server asked for a client certificate and none is configured (" + text +
-                             "); with tls-auth-clients yes set tls.cert_file and tls.key_file");
-      refuse(at, role, "the handshake was refused: " + (text.empty() ? std::string("unknown TLS error") : text));
+        refuse(at, role,
+               fmt::format("the server asked for a client certificate and none is configured ({}); with "
+                           "tls-auth-clients yes set tls.cert_file and tls.key_file",
+                           text));
+      refuse(at, role, fmt::format("the handshake was refused: {}", text.empty() ? "unknown TLS error" : text));
     }
     // The socket failed or closed under the handshake: a closed one is what a plain-text Redis
     // does with the handshake's bytes, so say so; both may pass, so both are retryable.
     const int sys = errno;
     const std::string why = sys != 0 ? std::strerror(sys) : "the server closed the connection";
-    throw connection_error("idem: TLS handshake with " + std::string(role) + " at " + at + " failed: " + why +
-                               " (a plain-text Redis closes the connection on a TLS handshake: use redis:// for a "
-                               "plain-text port); retry later",
+    throw connection_error(fmt::format("idem: TLS handshake with {} at {} failed: {} (a plain-text Redis closes the "
+                                       "connection on a TLS handshake: use redis:// for a plain-text port); retry "
+                                       "later",
+                                       role, at, why),
                            "", true);
   }
   s->nonblocking_ = false;
@@ -276,7 +289,7 @@ void TlsSession::failed(int ret) noexcept {
         return;
       }
       try {
-        failure_ = "TLS: " + (text.empty() ? std::string("unknown TLS error") : text);
+        failure_ = fmt::format("TLS: {}", text.empty() ? "unknown TLS error" : text);
       } catch (...) {
       }
       refused_ = true;

@@ -4,6 +4,8 @@
 #include <string>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
@@ -31,7 +33,8 @@ std::string percent_decode(std::string_view s, const std::string& url_shown) {
     const int hi = i + 2 < s.size() ? hexval(s[i + 1]) : -1;
     const int lo = i + 2 < s.size() ? hexval(s[i + 2]) : -1;
     if (hi < 0 || lo < 0)
-      throw invalid_options_error("idem: bad Redis URL '" + url_shown + "': a '%' escape needs two hex digits");
+      throw invalid_options_error(
+          fmt::format("idem: bad Redis URL '{}': a '%' escape needs two hex digits", url_shown));
     out += static_cast<char>(hi * 16 + lo);
     i += 2;
   }
@@ -42,8 +45,8 @@ int parse_int(std::string_view s, int lo, int hi, const std::string& what, const
   int v = 0;
   auto res = std::from_chars(s.data(), s.data() + s.size(), v);
   if (s.empty() || res.ec != std::errc{} || res.ptr != s.data() + s.size() || v < lo || v > hi)
-    throw invalid_options_error("idem: bad Redis URL '" + url_shown + "': " + what + " '" + std::string(s) +
-                                "' is not an integer in " + std::to_string(lo) + ".." + std::to_string(hi));
+    throw invalid_options_error(
+        fmt::format("idem: bad Redis URL '{}': {} '{}' is not an integer in {}..{}", url_shown, what, s, lo, hi));
   return v;
 }
 
@@ -56,7 +59,7 @@ std::string redact(std::string_view url) {
   const auto at = url.rfind('@');
   const auto colon = url.find(':', scheme_end + 3);
   if (at == std::string_view::npos || colon == std::string_view::npos || colon > at) return printable(url, 200);
-  return printable(std::string(url.substr(0, colon + 1)) + "***" + std::string(url.substr(at)), 200);
+  return printable(fmt::format("{}***{}", url.substr(0, colon + 1), url.substr(at)), 200);
 }
 
 // "host[:port]" or "[v6]:port" of a URL; `default_port` when none is given.
@@ -65,7 +68,9 @@ struct HostPort {
   int port;
 };
 HostPort parse_host_port(std::string_view hostport, int default_port, const std::string& shown) {
-  auto bad = [&](const std::string& why) { throw invalid_options_error("idem: bad Redis URL '" + shown + "': " + why); };
+  auto bad = [&](const std::string& why) {
+    throw invalid_options_error(fmt::format("idem: bad Redis URL '{}': {}", shown, why));
+  };
   if (hostport.empty()) bad("no host");
   std::string_view host = hostport, port;
   if (hostport.front() == '[') {
@@ -91,13 +96,13 @@ std::vector<std::string> host_list(std::string_view list, int default_port, cons
   while (!list.empty()) {
     const auto comma = list.find(',');
     const HostPort hp = parse_host_port(list.substr(0, comma), default_port, shown);
-    out.push_back(hp.host.find(':') != std::string::npos ? "[" + hp.host + "]:" + std::to_string(hp.port)
-                                                         : hp.host + ":" + std::to_string(hp.port));
+    out.push_back(hp.host.find(':') != std::string::npos ? fmt::format("[{}]:{}", hp.host, hp.port)
+                                                         : fmt::format("{}:{}", hp.host, hp.port));
     list = comma == std::string_view::npos ? std::string_view{} : list.substr(comma + 1);
     if (comma != std::string_view::npos && list.empty())
-      throw invalid_options_error("idem: bad Redis URL '" + shown + "': a ',' with no host after it");
+      throw invalid_options_error(fmt::format("idem: bad Redis URL '{}': a ',' with no host after it", shown));
   }
-  if (out.empty()) throw invalid_options_error("idem: bad Redis URL '" + shown + "': no host");
+  if (out.empty()) throw invalid_options_error(fmt::format("idem: bad Redis URL '{}': no host", shown));
   return out;
 }
 
@@ -105,7 +110,9 @@ std::vector<std::string> host_list(std::string_view list, int default_port, cons
 
 RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
   const std::string shown = redact(url);
-  auto bad = [&](const std::string& why) { throw invalid_options_error("idem: bad Redis URL '" + shown + "': " + why); };
+  auto bad = [&](const std::string& why) {
+    throw invalid_options_error(fmt::format("idem: bad Redis URL '{}': {}", shown, why));
+  };
   const auto scheme_end = url.find("://");
   if (scheme_end == std::string_view::npos)
     bad("expected redis://host[:port][/db], unix:///path or redis-sentinel://host:port[,host:port...]/master-name");
@@ -113,8 +120,10 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
   std::string_view rest = url.substr(scheme_end + 3);
   if (scheme != "redis" && scheme != "rediss" && scheme != "unix" && scheme != "redis-sentinel" &&
       scheme != "redis-cluster")
-    bad("unknown scheme '" + printable(scheme) +
-        "'; use redis://, rediss:// (TLS), unix://, redis-cluster:// or redis-sentinel://");
+    bad(
+        fmt::format("unknown scheme '{}'; use redis://, rediss:// (TLS), unix://, redis-cluster:// or "
+                    "redis-sentinel://",
+                    printable(scheme)));
   const bool unix_scheme = scheme == "unix";
   const bool sentinel_scheme = scheme == "redis-sentinel";
   const bool cluster_scheme = scheme == "redis-cluster";
@@ -153,7 +162,7 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
       // redis://secret@host is read as a password (the default user), as redis-cli does.
       password = percent_decode(info, shown);
     }
-    if (password.empty() && !user.empty()) bad("user '" + printable(user) + "' has no password");
+    if (password.empty() && !user.empty()) bad(fmt::format("user '{}' has no password", printable(user)));
   }
 
   int db = 0;
@@ -196,7 +205,7 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
   auto flag = [&](std::string_view name, std::string_view v) {
     if (v == "yes" || v == "true" || v == "1") return true;
     if (v == "no" || v == "false" || v == "0") return false;
-    bad(std::string(name) + " '" + printable(v) + "' is not yes or no");
+    bad(fmt::format("{} '{}' is not yes or no", name, printable(v)));
     return false;
   };
   while (!query.empty()) {
@@ -225,7 +234,7 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
       else if (value == "1.3")
         tls.min_version = TlsVersion::tls1_3;
       else
-        bad("tls_min_version '" + printable(value) + "' is not 1.2 or 1.3");
+        bad(fmt::format("tls_min_version '{}' is not 1.2 or 1.3", printable(value)));
     } else if (sentinel_scheme && key == "sentinel_tls") {
       tls.sentinels = flag(key, value);
     } else if (kv.substr(0, 3) == "db=")
@@ -235,9 +244,10 @@ RedisOptions parse_redis_url(std::string_view url, RedisOptions o) {
     else if (sentinel_scheme && kv.substr(0, 18) == "sentinel_password=")
       sentinel_password = percent_decode(kv.substr(18), shown);
     else
-      bad("unknown parameter '" + printable(key) + "'; only db=N, tls=yes, tls_ca_file, tls_ca_dir, tls_cert_file, " +
-          "tls_key_file, tls_server_name, tls_min_version" +
-          (sentinel_scheme ? ", sentinel_tls, sentinel_user and sentinel_password are" : " are") + " understood");
+      bad(fmt::format(
+          "unknown parameter '{}'; only db=N, tls=yes, tls_ca_file, tls_ca_dir, tls_cert_file, "
+          "tls_key_file, tls_server_name, tls_min_version{} understood",
+          printable(key), sentinel_scheme ? ", sentinel_tls, sentinel_user and sentinel_password are" : " are"));
   }
   if (tls.enabled && unix_scheme) bad("TLS over a unix:// socket: Redis speaks TLS on TCP only (tls-port)");
   o.tls = std::move(tls);
@@ -258,30 +268,32 @@ namespace detail::redis {
 namespace {
 
 void check_options(const RedisOptions& o) {
-  auto bad = [](const std::string& why) { throw invalid_options_error("idem: RedisOptions: " + why); };
+  auto bad = [](const std::string& why) { throw invalid_options_error(fmt::format("idem: RedisOptions: {}", why)); };
   if (o.unix_socket.empty()) {
     if (o.host.empty()) bad("host is empty; set host (or unix_socket, or url)");
-    if (o.port < 1 || o.port > 65535) bad("port " + std::to_string(o.port) + " is not in 1..65535");
+    if (o.port < 1 || o.port > 65535) bad(fmt::format("port {} is not in 1..65535", o.port));
   }
-  if (o.db < 0) bad("db " + std::to_string(o.db) + " is negative");
+  if (o.db < 0) bad(fmt::format("db {} is negative", o.db));
   if (o.tls.enabled && !o.unix_socket.empty())
-    bad("tls with unix_socket '" + printable(o.unix_socket) + "': Redis speaks TLS on TCP only (tls-port)");
+    bad(fmt::format("tls with unix_socket '{}': Redis speaks TLS on TCP only (tls-port)", printable(o.unix_socket)));
   if (o.tls.cert_file.empty() != o.tls.key_file.empty())
     bad(o.tls.cert_file.empty() ? "tls.key_file is set without tls.cert_file" : "tls.cert_file is set without tls.key_file");
   if (!o.tls.enabled && (o.tls.sentinels || !o.tls.ca_file.empty() || !o.tls.ca_dir.empty() ||
                          !o.tls.cert_file.empty() || !o.tls.server_name.empty()))
     bad("tls settings are given but tls.enabled is false (use rediss:// or ?tls=yes): idem does not fall back to "
         "plain text");
-  if (o.connect_timeout <= millis{0}) bad("connect_timeout must be positive, got " + ms(o.connect_timeout));
-  if (o.command_timeout <= millis{0}) bad("command_timeout must be positive, got " + ms(o.command_timeout));
+  if (o.connect_timeout <= millis{0})
+    bad(fmt::format("connect_timeout must be positive, got {}", ms(o.connect_timeout)));
+  if (o.command_timeout <= millis{0})
+    bad(fmt::format("command_timeout must be positive, got {}", ms(o.command_timeout)));
   check_pool_options(o.pool, "RedisOptions");
-  if (!o.user.empty() && o.password.empty()) bad("user '" + printable(o.user) + "' is set without a password");
+  if (!o.user.empty() && o.password.empty()) bad(fmt::format("user '{}' is set without a password", printable(o.user)));
   if (o.max_redirects < 1 || o.max_redirects > 100)
-    bad("max_redirects " + std::to_string(o.max_redirects) + " is not in 1..100");
+    bad(fmt::format("max_redirects {} is not in 1..100", o.max_redirects));
   if (!o.cluster_nodes.empty()) {
     if (!o.sentinels.empty())
       bad("cluster_nodes and sentinels are both set; a Redis Cluster fails over by itself, use cluster_nodes alone");
-    if (o.db != 0) bad("db " + std::to_string(o.db) + " with cluster_nodes: a Redis Cluster has database 0 only");
+    if (o.db != 0) bad(fmt::format("db {} with cluster_nodes: a Redis Cluster has database 0 only", o.db));
     (void)endpoints(o.cluster_nodes, 6379, "cluster node");
   }
   if (!o.sentinels.empty()) {
@@ -289,14 +301,17 @@ void check_options(const RedisOptions& o) {
       bad("sentinels are set but sentinel_master is empty; set it to the name in `sentinel monitor <name> ...`");
     (void)sentinel_endpoints(o);
   } else if (!o.sentinel_master.empty()) {
-    bad("sentinel_master '" + printable(o.sentinel_master) + "' is set without sentinels; list them (host:port)");
+    bad(fmt::format("sentinel_master '{}' is set without sentinels; list them (host:port)",
+                    printable(o.sentinel_master)));
   }
   if (!o.sentinel_user.empty() && o.sentinel_password.empty())
-    bad("sentinel_user '" + printable(o.sentinel_user) + "' is set without sentinel_password");
-  if (o.min_replica_acks < 0) bad("min_replica_acks " + std::to_string(o.min_replica_acks) + " is negative; 0 turns WAIT off");
+    bad(fmt::format("sentinel_user '{}' is set without sentinel_password", printable(o.sentinel_user)));
+  if (o.min_replica_acks < 0) bad(fmt::format("min_replica_acks {} is negative; 0 turns WAIT off", o.min_replica_acks));
   if (o.min_replica_acks > 0 && (o.replica_ack_timeout <= millis{0} || o.replica_ack_timeout >= o.command_timeout))
-    bad("replica_ack_timeout " + ms(o.replica_ack_timeout) + " must be positive and below command_timeout (" +
-        ms(o.command_timeout) + "): the reply to WAIT comes after it, within the same command_timeout");
+    bad(
+        fmt::format("replica_ack_timeout {} must be positive and below command_timeout ({}): the reply to WAIT "
+                    "comes after it, within the same command_timeout",
+                    ms(o.replica_ack_timeout), ms(o.command_timeout)));
   const auto open = o.key_prefix.find('{');
   const auto close = o.key_prefix.find('}');
   if (open != std::string::npos || close != std::string::npos) {
@@ -304,8 +319,10 @@ void check_options(const RedisOptions& o) {
                          o.key_prefix.find('{', open + 1) == std::string::npos &&
                          o.key_prefix.find('}', close + 1) == std::string::npos;
     if (!one_tag)
-      bad("key_prefix '" + printable(o.key_prefix) +
-          "' has stray braces; it may hold one whole {tag} (all keys in one cluster slot) or none");
+      bad(
+          fmt::format("key_prefix '{}' has stray braces; it may hold one whole {{tag}} (all keys in one cluster "
+                      "slot) or none",
+                      printable(o.key_prefix)));
   }
 }
 
@@ -318,8 +335,8 @@ std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int defaul
       const HostPort hp = parse_host_port(s, default_port, s);
       out.push_back({hp.host, hp.port});
     } catch (const invalid_options_error&) {
-      throw invalid_options_error("idem: RedisOptions: " + std::string(what) + " '" + printable(s) +
-                                  "' is not host:port (IPv6 as [addr]:port, port 1..65535)");
+      throw invalid_options_error(fmt::format(
+          "idem: RedisOptions: {} '{}' is not host:port (IPv6 as [addr]:port, port 1..65535)", what, printable(s)));
     }
   }
   return out;

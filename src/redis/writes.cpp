@@ -6,6 +6,8 @@
 #include <utility>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "client.hpp"
 #include "cluster.hpp"
 #include "idem/core/error.hpp"
@@ -60,10 +62,10 @@ std::vector<ReplyPtr> Client::Stream::finish(const ReplyErrorHints& hints) {
   else if (!c_->wait_.empty())
     for (std::size_t i : streamed)
       if (wrote(requests_[i].first, out[i].get()))
-        throw durability_error("idem: a batch's " + std::string(script(requests_[i].first).name) +
-                                   " was written, but the connection broke before WAIT could count the replicas that "
-                                   "have it; the write stands on the primary and is reported so the message is not "
-                                   "acked",
+        throw durability_error(fmt::format("idem: a batch's {} was written, but the connection broke before WAIT "
+                                           "could count the replicas that have it; the write stands on the primary "
+                                           "and is reported so the message is not acked",
+                                           script(requests_[i].first).name),
                                0, c_->options().min_replica_acks);
   return out;
 }

@@ -26,6 +26,7 @@ std::string base() {
 struct Caught {
   std::string text;
   bool connection = false;  // a connection_error
+  bool retryable = true;
   [[nodiscard]] const char* what() const { return text.c_str(); }
 };
 
@@ -36,7 +37,7 @@ Caught refusal(const std::string& conninfo) {
                           idem::PostgresStoreOptions{.schema = "idem_test"});
     (void)s.inspect("tls-probe");  // the first use connects, if construction did not
   } catch (const idem::store_error& e) {
-    return {e.what(), dynamic_cast<const idem::connection_error*>(&e) != nullptr};
+    return {e.what(), dynamic_cast<const idem::connection_error*>(&e) != nullptr, e.retryable()};
   }
   FAIL("no store_error was thrown");
   return {};
@@ -57,6 +58,7 @@ TEST_CASE("postgres tls: each failed check fails closed with libpq's message", "
     const auto e = refusal(base() + " sslmode=verify-full sslrootcert=" + certs() + "other-ca.crt");
     INFO(e.what());
     CHECK(e.connection);
+    CHECK_FALSE(e.retryable);  // as on Redis: a wrong CA stops the consumer instead of retrying forever
     CHECK_THAT(e.what(), Catch::Contains("certificate verify failed"));
   }
   SECTION("wrong host name") {
@@ -65,6 +67,7 @@ TEST_CASE("postgres tls: each failed check fails closed with libpq's message", "
     const auto e = refusal(ci + " sslmode=verify-full sslrootcert=" + certs() + "ca.crt");
     INFO(e.what());
     CHECK_THAT(e.what(), Catch::Contains("does not match host name \"wrong.example\""));
+    CHECK_FALSE(e.retryable);
   }
   SECTION("no TLS: the server takes TLS connections only") {
     const auto e = refusal(base() + " sslmode=disable");

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <hiredis/hiredis.h>
 #include <libpq-fe.h>
 
@@ -147,17 +148,17 @@ public:
     c_.reset(o.unix_socket.empty() ? redisConnectWithTimeout(o.host.c_str(), o.port, tv)
                                    : redisConnectUnixWithTimeout(o.unix_socket.c_str(), tv));
     if (!c_ || c_->err) {
-      error_ = "could not connect" + std::string(c_ ? std::string(": ") + c_->errstr : "");
+      error_ = c_ ? fmt::format("could not connect: {}", c_->errstr) : std::string("could not connect");
       return;
     }
     redisSetTimeout(c_.get(), tv);
     if (!o.password.empty()) {
       auto r = o.user.empty() ? cmd({"AUTH", o.password}) : cmd({"AUTH", o.user, o.password});
-      if (auto e = error_of(r.get())) error_ = "AUTH failed: " + *e;
+      if (auto e = error_of(r.get())) error_ = fmt::format("AUTH failed: {}", *e);
     }
     if (error_.empty() && o.db != 0) {
       auto r = cmd({"SELECT", std::to_string(o.db)});
-      if (auto e = error_of(r.get())) error_ = "SELECT failed: " + *e;
+      if (auto e = error_of(r.get())) error_ = fmt::format("SELECT failed: {}", *e);
     }
   }
   // "" when connected and authenticated.
@@ -200,9 +201,9 @@ std::string refused_script_command(const idem::RedisOptions& o, const std::strin
 // Deletes every Redis key under `prefix` (SCAN MATCH + DEL); cluster, Sentinel and TLS URLs are
 // left to the keys' own expiry (docs/operations.md).
 std::string redis_cleanup(const idem::RedisOptions& o, const std::string& prefix) {
-  const std::string left = " (keys under '" + prefix + "' expire by themselves within 10 minutes)";
+  const std::string left = fmt::format(" (keys under '{}' expire by themselves within 10 minutes)", prefix);
   RawRedis r(o);
-  if (!r.error().empty()) return "not done: " + r.error() + left;
+  if (!r.error().empty()) return fmt::format("not done: {}{}", r.error(), left);
   std::string pattern;
   for (char ch : prefix) {
     if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\') pattern += '\\';
@@ -213,19 +214,19 @@ std::string redis_cleanup(const idem::RedisOptions& o, const std::string& prefix
   std::size_t deleted = 0;
   do {
     auto reply = r.cmd({"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"});
-    if (auto e = r.error_of(reply.get())) return "SCAN failed: " + *e + left;
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2) return "unexpected SCAN reply" + left;
+    if (auto e = r.error_of(reply.get())) return fmt::format("SCAN failed: {}{}", *e, left);
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2) return fmt::format("unexpected SCAN reply{}", left);
     cursor.assign(reply->element[0]->str, reply->element[0]->len);
     std::vector<std::string> del{"DEL"};
     for (std::size_t i = 0; i < reply->element[1]->elements; ++i)
       del.emplace_back(reply->element[1]->element[i]->str, reply->element[1]->element[i]->len);
     if (del.size() > 1) {
       auto d = r.cmd(del);
-      if (auto e = r.error_of(d.get())) return "DEL failed: " + *e + left;
+      if (auto e = r.error_of(d.get())) return fmt::format("DEL failed: {}{}", *e, left);
       deleted += static_cast<std::size_t>(d->integer);
     }
   } while (cursor != "0");
-  return std::to_string(deleted) + " keys deleted under '" + prefix + "'";
+  return fmt::format("{} keys deleted under '{}'", deleted, prefix);
 }
 
 // A libpq session for the run's own DDL (the store's sessions are its own business).
@@ -263,7 +264,7 @@ std::vector<Row> run_cases(Store* store, const std::string& setup_error, idem::m
     ++index;
     if (!store) {
       row.run = false;
-      row.reason = "not run: " + setup_error;
+      row.reason = fmt::format("not run: {}", setup_error);
       rows.push_back(std::move(row));
       continue;
     }
@@ -278,7 +279,7 @@ std::vector<Row> run_cases(Store* store, const std::string& setup_error, idem::m
         static_cast<void>(store->complete(k, r.holder, "probe", 60s));
       } catch (const std::exception& e) {
         row.run = false;
-        row.reason = std::string("not run on threads: a single acquire already fails: ") + e.what();
+        row.reason = fmt::format("not run on threads: a single acquire already fails: {}", e.what());
         row.hint = hint_for(row.reason, redis);
         rows.push_back(std::move(row));
         continue;
@@ -302,7 +303,7 @@ std::vector<Row> run_cases(Store* store, const std::string& setup_error, idem::m
     // The first thing that went wrong is the reason; an exception after a failed expectation is
     // usually its consequence, but its text is what names the cause (NOPERM, unknown command).
     if (first) row.reason = *first;
-    if (!thrown.empty()) row.reason = row.reason.empty() ? thrown : row.reason + "; then: " + thrown;
+    if (!thrown.empty()) row.reason = row.reason.empty() ? thrown : fmt::format("{}; then: {}", row.reason, thrown);
     if (!row.pass) row.hint = hint_for(row.reason, redis);
     rows.push_back(std::move(row));
   }
@@ -355,9 +356,10 @@ int run_redis(const idem::tool::Globals& g, idem::millis lease, bool json) {
   const auto t0 = Clock::now();
   std::unique_ptr<idem::RedisStore> store;
   std::string setup_error;
-  std::string where = "redis " + (o.unix_socket.empty() ? o.host + ":" + std::to_string(o.port) : o.unix_socket);
+  std::string where =
+      o.unix_socket.empty() ? fmt::format("redis {}:{}", o.host, o.port) : fmt::format("redis {}", o.unix_socket);
   if (!o.cluster_nodes.empty()) where = "redis cluster";
-  if (!o.sentinels.empty()) where = "redis sentinel master " + o.sentinel_master;
+  if (!o.sentinels.empty()) where = fmt::format("redis sentinel master {}", o.sentinel_master);
   try {
     store = std::make_unique<idem::RedisStore>(o);
   } catch (const idem::connection_error&) {
@@ -371,7 +373,7 @@ int run_redis(const idem::tool::Globals& g, idem::millis lease, bool json) {
   for (auto& r : rows) {
     if (!has(r.reason, "can't run this command")) continue;
     if (!refused) refused = refused_script_command(o, prefix);
-    if (!refused->empty()) r.hint = hint_for(*refused, true) + " (as the URL's user: " + *refused + ")";
+    if (!refused->empty()) r.hint = fmt::format("{} (as the URL's user: {})", hint_for(*refused, true), *refused);
   }
   const std::string cleanup = redis_cleanup(o, prefix);
   if (!setup_error.empty()) {
@@ -379,7 +381,7 @@ int run_redis(const idem::tool::Globals& g, idem::millis lease, bool json) {
     rows.insert(rows.begin(), std::move(r));
   }
   const long ms = static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
-  return report(rows, where, "keys under " + prefix + " (deleted at the end)", cleanup, ms, json);
+  return report(rows, where, fmt::format("keys under {} (deleted at the end)", prefix), cleanup, ms, json);
 }
 
 int run_postgres(const idem::tool::Globals& g, idem::millis lease, bool json) {
@@ -394,14 +396,14 @@ int run_postgres(const idem::tool::Globals& g, idem::millis lease, bool json) {
   // The name goes into this run's own SQL before the store checks it.
   for (char ch : g.schema)
     if (!((ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_') || g.schema.size() > 63)
-      throw idem::invalid_options_error("idem: --schema '" + g.schema + "' is not [a-z_][a-z0-9_]*");
+      throw idem::invalid_options_error(fmt::format("idem: --schema '{}' is not [a-z_][a-z0-9_]*", g.schema));
   const auto t0 = Clock::now();
   Pg admin(g.url);
-  if (!admin.ok()) throw idem::connection_error(std::string("idem: cannot connect: ") + PQerrorMessage(admin.c));
+  if (!admin.ok()) throw idem::connection_error(fmt::format("idem: cannot connect: {}", PQerrorMessage(admin.c)));
   // The schema is dropped at the end only if it did not exist before this run.
   int existed = 0;
   if (auto e = admin.exec("SELECT 1 FROM pg_namespace WHERE nspname = '" + g.schema + "'", &existed); !e.empty())
-    throw idem::store_error("idem: " + e, "", false);
+    throw idem::store_error(fmt::format("idem: {}", e), "", false);
   std::unique_ptr<idem::PostgresStore> store;
   std::string setup_error;
   try {
@@ -419,7 +421,8 @@ int run_postgres(const idem::tool::Globals& g, idem::millis lease, bool json) {
   std::string cleanup;
   if (existed == 0) {
     const std::string e = admin.exec("DROP SCHEMA IF EXISTS " + qs + " CASCADE");
-    cleanup = e.empty() ? "dropped schema " + g.schema + " (created by this run)" : "DROP SCHEMA " + g.schema + " failed: " + e;
+    cleanup = e.empty() ? fmt::format("dropped schema {} (created by this run)", g.schema)
+                        : fmt::format("DROP SCHEMA {} failed: {}", g.schema, e);
   } else {
     std::string e = admin.exec("DROP TABLE IF EXISTS " + qt + " CASCADE");
     for (const char* fn : {"_acquire", "_record_failure"})
@@ -429,15 +432,16 @@ int run_postgres(const idem::tool::Globals& g, idem::millis lease, bool json) {
     if (e.empty())
       e = admin.exec("SELECT 1 FROM pg_tables WHERE schemaname = '" + g.schema + "' AND tablename = 'idem_schema_version'", &have);
     if (e.empty() && have) e = admin.exec("DELETE FROM " + qs + ".idem_schema_version WHERE table_name = '" + table + "'");
-    cleanup = e.empty() ? "dropped table " + g.schema + "." + table : "dropping " + g.schema + "." + table + " failed: " + e;
+    cleanup = e.empty() ? fmt::format("dropped table {}.{}", g.schema, table)
+                        : fmt::format("dropping {}.{} failed: {}", g.schema, table, e);
   }
   if (!setup_error.empty()) {
     Row r{"create the table (migrate)", false, true, 0, setup_error, hint_for(setup_error, false)};
     rows.insert(rows.begin(), std::move(r));
   }
   const long ms = static_cast<long>(std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t0).count());
-  return report(rows, "postgresql " + std::string(PQdb(admin.c)) + " on " + PQhost(admin.c) + ":" + PQport(admin.c),
-                "table " + g.schema + "." + table + " (dropped at the end)", cleanup, ms, json);
+  return report(rows, fmt::format("postgresql {} on {}:{}", PQdb(admin.c), PQhost(admin.c), PQport(admin.c)),
+                fmt::format("table {}.{} (dropped at the end)", g.schema, table), cleanup, ms, json);
 }
 
 }  // namespace

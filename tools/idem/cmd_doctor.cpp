@@ -2,6 +2,8 @@
 
 #include <iostream>
 
+#include <fmt/format.h>
+
 #include "common.hpp"
 
 void register_doctor(CLI::App& app, idem::tool::Globals& g) {
@@ -27,7 +29,7 @@ void register_doctor(CLI::App& app, idem::tool::Globals& g) {
                     << "}\n";
           continue;
         }
-        const std::string tag = "[" + std::string(to_string(f.severity)) + "]";
+        const std::string tag = fmt::format("[{}]", to_string(f.severity));
         std::cout << tag << std::string(10 - tag.size(), ' ') << f.check << ": " << f.message << "\n";
         if (!f.fix.empty()) std::cout << "          fix: " << f.fix << "\n";
       }

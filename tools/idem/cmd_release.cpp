@@ -2,6 +2,8 @@
 
 #include <iostream>
 
+#include <fmt/format.h>
+
 #include "common.hpp"
 
 void register_release(CLI::App& app, idem::tool::Globals& g) {
@@ -37,7 +39,8 @@ void register_release(CLI::App& app, idem::tool::Globals& g) {
         }
         std::cerr << "release '" << printable(o->key) << "' (" << to_string(r->record.state) << ", fence "
                   << r->record.holder.fence << ", " << idem::tool::lease_text(*r)
-                  << (r->record.owner.empty() ? "" : ", owner " + printable(r->record.owner)) << ")? [y/N] ";
+                  << (r->record.owner.empty() ? "" : fmt::format(", owner {}", printable(r->record.owner)))
+                  << ")? [y/N] ";
         std::string answer;
         std::getline(std::cin, answer);
         if (answer != "y" && answer != "Y" && answer != "yes") {
@@ -46,7 +49,7 @@ void register_release(CLI::App& app, idem::tool::Globals& g) {
         }
       }
       const idem::ReleaseResult res = store->release(o->key, o->fence, o->force);
-      const std::string k = "'" + printable(o->key) + "'";
+      const std::string k = fmt::format("'{}'", printable(o->key));
       switch (res.status) {
         case idem::ReleaseStatus::released:
           std::cout << "released " << k << " (fence " << res.fence << ", was " << to_string(res.state)

@@ -2,6 +2,8 @@
 
 #include <iostream>
 
+#include <fmt/format.h>
+
 #include "common.hpp"
 
 void register_stats(CLI::App& app, idem::tool::Globals& g) {
@@ -18,9 +20,9 @@ void register_stats(CLI::App& app, idem::tool::Globals& g) {
       if (*json) {
         std::cout << "{\"records\":" << s.records << ",\"in_progress\":" << st(idem::State::in_progress)
                   << ",\"completed\":" << st(idem::State::completed) << ",\"failed\":" << st(idem::State::failed)
-                  << ",\"lapsed\":" << s.lapsed << ",\"most_overdue_ms\":"
-                  << (s.most_overdue_ms ? std::to_string(*s.most_overdue_ms) : "null") << ",\"bytes\":" << s.bytes
-                  << ",\"expired_rows\":" << s.expired_rows << "}\n";
+                  << ",\"lapsed\":" << s.lapsed
+                  << ",\"most_overdue_ms\":" << (s.most_overdue_ms ? fmt::format("{}", *s.most_overdue_ms) : "null")
+                  << ",\"bytes\":" << s.bytes << ",\"expired_rows\":" << s.expired_rows << "}\n";
         return idem::tool::exit_ok;
       }
       std::cout << "store        " << store->where() << "\n"
@@ -29,9 +31,11 @@ void register_stats(CLI::App& app, idem::tool::Globals& g) {
                 << "completed    " << st(idem::State::completed) << "\n"
                 << "failed       " << st(idem::State::failed) << "\n"
                 << "oldest lease "
-                << (s.most_overdue_ms ? (*s.most_overdue_ms >= 0 ? "lapsed " + idem::tool::format_duration(*s.most_overdue_ms) + " ago"
-                                                                 : "live, " + idem::tool::format_duration(-*s.most_overdue_ms) + " left")
-                                      : std::string("-"))
+                << (s.most_overdue_ms
+                        ? (*s.most_overdue_ms >= 0
+                               ? fmt::format("lapsed {} ago", idem::tool::format_duration(*s.most_overdue_ms))
+                               : fmt::format("live, {} left", idem::tool::format_duration(-*s.most_overdue_ms)))
+                        : std::string("-"))
                 << "\n"
                 << "bytes        " << s.bytes << "\n";
       if (!store->is_redis()) std::cout << "expired rows " << s.expired_rows << " (waiting for idem purge)\n";

@@ -5,8 +5,10 @@
 #include <cctype>
 #include <cstdio>
 #include <iostream>
+#include <iterator>
 #include <sstream>
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include "idem/core/error.hpp"
@@ -20,7 +22,7 @@ namespace {
 class RedisBackend final : public Backend {
 public:
   explicit RedisBackend(RedisOptions o) : admin_(std::move(o)) {}
-  std::string where() const override { return "redis " + admin_.address(); }
+  std::string where() const override { return fmt::format("redis {}", admin_.address()); }
   bool is_redis() const override { return true; }
   std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
   std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
@@ -42,7 +44,7 @@ private:
 class PostgresBackend final : public Backend {
 public:
   PostgresBackend(PostgresOptions o, PostgresStoreOptions s) : admin_(std::move(o), std::move(s)) {}
-  std::string where() const override { return "postgresql " + admin_.table(); }
+  std::string where() const override { return fmt::format("postgresql {}", admin_.table()); }
   bool is_redis() const override { return false; }
   std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
   std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
@@ -85,8 +87,10 @@ std::unique_ptr<Backend> open(const Globals& g) {
     return std::make_unique<PostgresBackend>(std::move(o), std::move(s));
   }
   const auto colon = g.url.find("://");
-  throw invalid_options_error("idem: unsupported store URL '" + (colon == std::string::npos ? g.url : g.url.substr(0, colon + 3)) +
-                              "...': use redis://, redis-cluster:// or postgresql://");
+  throw invalid_options_error(
+      fmt::format("idem: unsupported store URL '{}...': use redis://, redis-cluster:// or "
+                  "postgresql://",
+                  colon == std::string::npos ? g.url : g.url.substr(0, colon + 3)));
 }
 
 CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help) {
@@ -125,7 +129,8 @@ millis parse_duration(const std::string& text) {
   while (i < text.size()) {
     std::size_t j = i;
     while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
-    if (j == i) throw CLI::ValidationError("duration", "'" + text + "' is not a duration like 90s, 5m, 1h30m, 2d");
+    if (j == i)
+      throw CLI::ValidationError("duration", fmt::format("'{}' is not a duration like 90s, 5m, 1h30m, 2d", text));
     const std::int64_t n = std::stoll(text.substr(i, j - i));
     std::size_t k = j;
     while (k < text.size() && std::isalpha(static_cast<unsigned char>(text[k]))) ++k;
@@ -136,7 +141,7 @@ millis parse_duration(const std::string& text) {
     else if (unit == "m") ms = 60'000;
     else if (unit == "h") ms = 3'600'000;
     else if (unit == "d") ms = 86'400'000;
-    else throw CLI::ValidationError("duration", "unknown unit '" + unit + "' in '" + text + "' (ms, s, m, h, d)");
+    else throw CLI::ValidationError("duration", fmt::format("unknown unit '{}' in '{}' (ms, s, m, h, d)", unit, text));
     total += n * ms;
     i = k;
   }
@@ -144,16 +149,16 @@ millis parse_duration(const std::string& text) {
 }
 
 std::string format_duration(std::int64_t ms) {
-  if (ms < 0) return "-" + format_duration(-ms);
-  if (ms < 1000) return std::to_string(ms) + "ms";
+  if (ms < 0) return fmt::format("-{}", format_duration(-ms));
+  if (ms < 1000) return fmt::format("{}ms", ms);
   std::int64_t s = ms / 1000;
   const std::int64_t d = s / 86400, h = s % 86400 / 3600, m = s % 3600 / 60;
   s %= 60;
   std::string out;
-  if (d) out += std::to_string(d) + "d";
-  if (h) out += std::to_string(h) + "h";
-  if (m && !d) out += std::to_string(m) + "m";
-  if ((s || out.empty()) && !d && !h) out += std::to_string(s) + "s";
+  if (d) fmt::format_to(std::back_inserter(out), "{}d", d);
+  if (h) fmt::format_to(std::back_inserter(out), "{}h", h);
+  if (m && !d) fmt::format_to(std::back_inserter(out), "{}m", m);
+  if ((s || out.empty()) && !d && !h) fmt::format_to(std::back_inserter(out), "{}s", s);
   return out;
 }
 
@@ -197,10 +202,12 @@ std::string json_string(std::string_view s) {
 std::string lease_text(const AdminRecord& r) {
   const auto o = overdue_ms(r);
   if (r.record.state == State::in_progress)
-    return o >= 0 ? "lapsed " + format_duration(o) + " ago (stuck unless redelivered)" : "live, " + format_duration(-o) + " left";
+    return o >= 0 ? fmt::format("lapsed {} ago (stuck unless redelivered)", format_duration(o))
+                  : fmt::format("live, {} left", format_duration(-o));
   if (r.record.state == State::failed) {
     if (r.record.permanent) return "permanent failure (no retry)";
-    return o >= 0 ? "retryable since " + format_duration(o) : "backing off, retry in " + format_duration(-o);
+    return o >= 0 ? fmt::format("retryable since {}", format_duration(o))
+                  : fmt::format("backing off, retry in {}", format_duration(-o));
   }
   return "-";
 }
@@ -227,7 +234,9 @@ std::string record_text(const AdminRecord& r) {
   if (rec.state == State::in_progress) out << "owner        " << (rec.owner.empty() ? "-" : printable(rec.owner)) << "\n";
   if (rec.state != State::completed) out << "lease        " << lease_text(r) << " (store clock)\n";
   if (rec.state == State::completed)
-    out << "result       " << (rec.permanent ? "not stored: " + printable(rec.error) : std::to_string(rec.result.size()) + " bytes")
+    out << "result       "
+        << (rec.permanent ? fmt::format("not stored: {}", printable(rec.error))
+                          : fmt::format("{} bytes", rec.result.size()))
         << "\n";
   if (rec.state == State::failed) out << "error        " << printable(rec.error.substr(0, 200)) << "\n";
   out << "fingerprint  " << (rec.fingerprint.empty() ? "-" : hex(rec.fingerprint.substr(0, 16))) << "\n"

@@ -12,11 +12,14 @@
 
 #include <cstdint>
 #include <exception>
+#include <iterator>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
+
+#include <fmt/format.h>
 
 #define IDEM_CONTRACT_ASSERTIONS 1
 
@@ -76,13 +79,13 @@ std::string show(const T& v) {
   } else if constexpr (std::is_arithmetic_v<T>) {
     return std::to_string(v);
   } else if constexpr (std::is_convertible_v<const T&, std::string_view>) {
-    return "\"" + clip(std::string_view(v)) + "\"";
+    return fmt::format("\"{}\"", clip(std::string_view(v)));
   } else if constexpr (requires { to_string(v); }) {
     return std::string(to_string(v));
   } else if constexpr (requires { v.count(); }) {
     return std::to_string(v.count()) + "ms";
   } else if constexpr (requires { v.fence; v.token; }) {
-    return "{fence " + std::to_string(v.fence) + ", token " + std::to_string(v.token) + "}";
+    return fmt::format("{{fence {}, token {}}}", v.fence, v.token);
   } else if constexpr (requires { v.has_value(); }) {
     return v.has_value() ? "a value" : "none";
   } else {
@@ -103,17 +106,29 @@ template <class L>
 struct Lhs {
   const L& l;
   template <class R>
-  Result operator==(const R& r) const { return {static_cast<bool>(l == r), show(l) + " == " + show(r)}; }
+  Result operator==(const R& r) const {
+    return {static_cast<bool>(l == r), fmt::format("{} == {}", show(l), show(r))};
+  }
   template <class R>
-  Result operator!=(const R& r) const { return {static_cast<bool>(l != r), show(l) + " != " + show(r)}; }
+  Result operator!=(const R& r) const {
+    return {static_cast<bool>(l != r), fmt::format("{} != {}", show(l), show(r))};
+  }
   template <class R>
-  Result operator<(const R& r) const { return {static_cast<bool>(l < r), show(l) + " < " + show(r)}; }
+  Result operator<(const R& r) const {
+    return {static_cast<bool>(l < r), fmt::format("{} < {}", show(l), show(r))};
+  }
   template <class R>
-  Result operator<=(const R& r) const { return {static_cast<bool>(l <= r), show(l) + " <= " + show(r)}; }
+  Result operator<=(const R& r) const {
+    return {static_cast<bool>(l <= r), fmt::format("{} <= {}", show(l), show(r))};
+  }
   template <class R>
-  Result operator>(const R& r) const { return {static_cast<bool>(l > r), show(l) + " > " + show(r)}; }
+  Result operator>(const R& r) const {
+    return {static_cast<bool>(l > r), fmt::format("{} > {}", show(l), show(r))};
+  }
   template <class R>
-  Result operator>=(const R& r) const { return {static_cast<bool>(l >= r), show(l) + " >= " + show(r)}; }
+  Result operator>=(const R& r) const {
+    return {static_cast<bool>(l >= r), fmt::format("{} >= {}", show(l), show(r))};
+  }
   operator Result() const { return {static_cast<bool>(l), show(l)}; }  // NOLINT: CHECK(value)
 };
 #pragma GCC diagnostic pop
@@ -126,8 +141,8 @@ struct Decomposer {
 };
 
 inline void failed(int line, std::string_view expr, const std::string& detail, bool abort) {
-  std::string what = "contract_suite.hpp:" + std::to_string(line) + ": " + std::string(expr);
-  if (!detail.empty()) what += " (was " + detail + ")";
+  std::string what = fmt::format("contract_suite.hpp:{}: {}", line, expr);
+  if (!detail.empty()) fmt::format_to(std::back_inserter(what), " (was {})", detail);
   recorder().fail(std::move(what));
   if (abort) throw Abort{};
 }
@@ -156,7 +171,8 @@ inline void check(const Result& r, bool expect, int line, std::string_view expr,
       throw;                                                                                            \
     } catch (const std::exception& idem_e_) {                                                           \
       idem_threw_ = true;                                                                               \
-      if (!(match_what)) ::idem::conformance::failed(__LINE__, text, std::string("threw ") + idem_e_.what(), false); \
+      if (!(match_what))                                                                                \
+        ::idem::conformance::failed(__LINE__, text, ::fmt::format("threw {}", idem_e_.what()), false);  \
     } catch (...) {                                                                                     \
       idem_threw_ = true;                                                                               \
       ::idem::conformance::failed(__LINE__, text, "threw a non-std exception", false);                  \

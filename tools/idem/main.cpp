@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include "common.hpp"
 #include "idem/core/version.hpp"
@@ -16,7 +17,7 @@ int main(int argc, char** argv) {
   idem::tool::Globals g;
   CLI::App app{"idem: inspect, free and check the stores of idem (exactly-once effects over at-least-once delivery)"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("idem ") + idem::version_string);
+  app.set_version_flag("--version", fmt::format("idem {}", idem::version_string));
 #define IDEM_COMMAND(name) register_##name(app, g);
 #include "commands.inc"
 #undef IDEM_COMMAND

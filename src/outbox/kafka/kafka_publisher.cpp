@@ -3,6 +3,7 @@
 
 #include "idem/outbox/kafka_publisher.hpp"
 
+#include <fmt/format.h>
 #include <librdkafka/rdkafka.h>
 
 #include <algorithm>
@@ -53,7 +54,8 @@ long long parse_count(const std::string& name, const std::string& value) {
   long long v = 0;
   const auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), v);
   if (ec != std::errc{} || end != value.data() + value.size() || v < 0)
-    throw invalid_options_error("KafkaPublisherOptions: config " + name + "=" + value + " is not a non-negative integer");
+    throw invalid_options_error(
+        fmt::format("KafkaPublisherOptions: config {}={} is not a non-negative integer", name, value));
   return v;
 }
 
@@ -88,21 +90,29 @@ public:
     for (const auto& [name, value] : options_.config) {
       const std::string n = lower(name), v = lower(value);
       if (n == "enable.idempotence" && v != "true")
-        throw invalid_options_error("KafkaPublisherOptions: config enable.idempotence=" + value +
-                                    " is refused: without the idempotent producer a retried produce can reorder or duplicate a key's messages");
+        throw invalid_options_error(
+            fmt::format("KafkaPublisherOptions: config enable.idempotence={} is refused: without "
+                        "the idempotent producer a retried produce can reorder or duplicate a "
+                        "key's messages",
+                        value));
       if ((n == "acks" || n == "request.required.acks") && v != "all" && v != "-1")
-        throw invalid_options_error("KafkaPublisherOptions: config " + name + "=" + value +
-                                    " is refused: a message counts as sent only once every in-sync replica has it (acks=all)");
+        throw invalid_options_error(
+            fmt::format("KafkaPublisherOptions: config {}={} is refused: a message counts as "
+                        "sent only once every in-sync replica has it (acks=all)",
+                        name, value));
       if ((n == "max.in.flight.requests.per.connection" || n == "max.in.flight") && parse_count(name, value) > 5)
-        throw invalid_options_error("KafkaPublisherOptions: config " + name + "=" + value +
-                                    " is refused: the idempotent producer keeps order with at most 5 requests in flight");
+        throw invalid_options_error(
+            fmt::format("KafkaPublisherOptions: config {}={} is refused: the idempotent producer "
+                        "keeps order with at most 5 requests in flight",
+                        name, value));
       if (n == "transactional.id")
         throw invalid_options_error("KafkaPublisherOptions: config transactional.id is not supported: the outbox needs no Kafka "
                                     "transactions (downstream consumers deduplicate on idem-outbox-id)");
       if ((n == "message.timeout.ms" || n == "delivery.timeout.ms") && parse_count(name, value) > options_.timeout.count())
-        throw invalid_options_error("KafkaPublisherOptions: config " + name + "=" + value +
-                                    " exceeds timeout (" + std::to_string(options_.timeout.count()) +
-                                    " ms): publish() would give up on messages librdkafka still retries");
+        throw invalid_options_error(
+            fmt::format("KafkaPublisherOptions: config {}={} exceeds timeout ({} ms): publish() "
+                        "would give up on messages librdkafka still retries",
+                        name, value, options_.timeout.count()));
     }
     rk_ = make_producer();  // a bad property fails here, at construction
   }
@@ -115,9 +125,9 @@ public:
     if (batch.empty()) return;
     for (const auto& m : batch)
       if (!legal_topic(m.destination))
-        throw publish_error("kafka: outbox message " + m.id + " names topic \"" + m.destination +
-                                "\", which Kafka cannot hold (1..249 characters of a-z A-Z 0-9 . _ -); fix the "
-                                "destination the handler writes",
+        throw publish_error(fmt::format("kafka: outbox message {} names topic \"{}\", which Kafka cannot hold (1..249 "
+                                        "characters of a-z A-Z 0-9 . _ -); fix the destination the handler writes",
+                                        m.id, m.destination),
                             false);
     if (!rk_) rk_ = make_producer();
 
@@ -163,7 +173,8 @@ private:
       char err[512];
       if (rd_kafka_conf_set(conf, name.c_str(), value.c_str(), err, sizeof err) != RD_KAFKA_CONF_OK) {
         rd_kafka_conf_destroy(conf);
-        throw invalid_options_error("KafkaPublisherOptions: librdkafka refused " + name + "=" + value + ": " + err);
+        throw invalid_options_error(
+            fmt::format("KafkaPublisherOptions: librdkafka refused {}={}: {}", name, value, err));
       }
     };
     set("bootstrap.servers", options_.brokers);
@@ -225,14 +236,14 @@ private:
   }
 
   [[noreturn]] void fail(const std::string& what, bool retryable) const {
-    throw publish_error("kafka (" + options_.brokers + "): " + what, retryable);
+    throw publish_error(fmt::format("kafka ({}): {}", options_.brokers, what), retryable);
   }
 
   void report(std::span<const OutboxMessage> batch, const Batch& state, std::size_t produced,
               rd_kafka_resp_err_t produce_err, bool timed_out) const {
     if (produce_err != RD_KAFKA_RESP_ERR_NO_ERROR)
-      fail("could not queue outbox message " + batch[produced].id + " for topic " + batch[produced].destination + ": " +
-               rd_kafka_err2str(produce_err) + "; none of the batch counts as sent",
+      fail(fmt::format("could not queue outbox message {} for topic {}: {}; none of the batch counts as sent",
+                       batch[produced].id, batch[produced].destination, rd_kafka_err2str(produce_err)),
            !permanent(produce_err));
     std::size_t failed = 0, first = batch.size();
     bool retryable = true;
@@ -243,17 +254,18 @@ private:
       if (permanent(state.errors[i])) retryable = false;
     }
     if (failed == 0) return;
-    const std::string count = std::to_string(failed) + " of " + std::to_string(batch.size()) + " messages";
+    const std::string count = fmt::format("{} of {} messages", failed, batch.size());
     const OutboxMessage& m = batch[first];
     const std::string why = state.errors[first] == RD_KAFKA_RESP_ERR__STATE ? std::string("no delivery report")
                                                                              : rd_kafka_err2str(state.errors[first]);
     if (timed_out)
-      fail(count + " not acknowledged within " + std::to_string(options_.timeout.count()) + " ms (first: " + m.id +
-               " to topic " + m.destination + ": " + why +
-               "); check that the brokers are reachable and the topic exists; the batch will be sent again",
+      fail(fmt::format("{} not acknowledged within {} ms (first: {} to topic {}: {}); check that the brokers are "
+                       "reachable and the topic exists; the batch will be sent again",
+                       count, options_.timeout.count(), m.id, m.destination, why),
            retryable);
-    fail(count + " refused (first: " + m.id + " to topic " + m.destination + ": " + why + ")" +
-             (retryable ? "; the batch will be sent again" : "; retrying cannot help: fix the message or the broker's limits"),
+    fail(fmt::format("{} refused (first: {} to topic {}: {}){}", count, m.id, m.destination, why,
+                     retryable ? "; the batch will be sent again"
+                               : "; retrying cannot help: fix the message or the broker's limits"),
          retryable);
   }
 

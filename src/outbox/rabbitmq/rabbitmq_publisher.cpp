@@ -5,6 +5,7 @@
 #include "idem/outbox/rabbitmq_publisher.hpp"
 
 #include <amqp.h>
+#include <fmt/format.h>
 #include <amqp_framing.h>
 #include <amqp_tcp_socket.h>
 #include <sys/socket.h>
@@ -43,13 +44,13 @@ std::string describe(const amqp_rpc_reply_t& r) {
     case AMQP_RESPONSE_SERVER_EXCEPTION:
       if (r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
         const auto* m = static_cast<const amqp_connection_close_t*>(r.reply.decoded);
-        return "server closed the connection: " + std::to_string(m->reply_code) + " " + str(m->reply_text);
+        return fmt::format("server closed the connection: {} {}", m->reply_code, str(m->reply_text));
       }
       if (r.reply.id == AMQP_CHANNEL_CLOSE_METHOD) {
         const auto* m = static_cast<const amqp_channel_close_t*>(r.reply.decoded);
-        return "server closed the channel: " + std::to_string(m->reply_code) + " " + str(m->reply_text);
+        return fmt::format("server closed the channel: {} {}", m->reply_code, str(m->reply_text));
       }
-      return "server exception, method " + std::to_string(r.reply.id);
+      return fmt::format("server exception, method {}", r.reply.id);
   }
   return "unknown reply";
 }
@@ -69,9 +70,11 @@ Route route_of(std::string_view destination) {
 class RabbitMqPublisher::Impl {
 public:
   explicit Impl(RabbitMqPublisherOptions o) : options_(std::move(o)) {
-    auto bad = [](const std::string& what) { throw invalid_options_error("RabbitMqPublisherOptions: " + what); };
+    auto bad = [](const std::string& what) {
+      throw invalid_options_error(fmt::format("RabbitMqPublisherOptions: {}", what));
+    };
     if (options_.host.empty()) bad("host is empty");
-    if (options_.port < 1 || options_.port > 65535) bad("port " + std::to_string(options_.port) + " is not 1..65535");
+    if (options_.port < 1 || options_.port > 65535) bad(fmt::format("port {} is not 1..65535", options_.port));
     if (options_.timeout.count() <= 0) bad("timeout must be > 0 ms");
     if (options_.user.empty()) bad("user is empty (RabbitMQ's default is \"guest\")");
     if (options_.key_header.empty() || options_.key_header.size() > 255)
@@ -88,9 +91,10 @@ public:
     for (const auto& m : batch) {
       const Route r = route_of(m.destination);
       if (r.exchange.size() > 255 || r.routing_key.size() > 255 || m.id.size() > 255)
-        throw publish_error(where() + ": outbox message " + m.id.substr(0, 64) +
-                                ": exchange, routing key and message id are AMQP short strings (at most 255 bytes); "
-                                "fix the destination \"" + m.destination.substr(0, 64) + "...\" the handler writes",
+        throw publish_error(fmt::format("{}: outbox message {}: exchange, routing key and message id are AMQP short "
+                                        "strings (at most 255 bytes); fix the destination \"{}...\" the handler "
+                                        "writes",
+                                        where(), m.id.substr(0, 64), m.destination.substr(0, 64)),
                             false);
     }
     if (!conn_) connect();
@@ -101,11 +105,12 @@ public:
   }
 
 private:
-  std::string where() const { return "rabbitmq (" + options_.host + ":" + std::to_string(options_.port) + ")"; }
+  std::string where() const { return fmt::format("rabbitmq ({}:{})", options_.host, options_.port); }
 
   [[noreturn]] void lost(const std::string& what) {
     disconnect(/*graceful=*/false);
-    throw publish_error(where() + ": " + what + "; reconnecting at the next publish, the batch will be sent again");
+    throw publish_error(
+        fmt::format("{}: {}; reconnecting at the next publish, the batch will be sent again", where(), what));
   }
 
   void connect() {
@@ -114,7 +119,7 @@ private:
     if (!sock) lost("cannot create a connection (out of memory)");
     timeval tv = to_timeval(options_.timeout);
     if (int rc = amqp_socket_open_noblock(sock, options_.host.c_str(), options_.port, &tv); rc != AMQP_STATUS_OK)
-      lost(std::string("cannot connect: ") + amqp_error_string2(rc) + "; check that the broker is up and reachable");
+      lost(fmt::format("cannot connect: {}; check that the broker is up and reachable", amqp_error_string2(rc)));
     amqp_set_handshake_timeout(conn_, &tv);
     amqp_set_rpc_timeout(conn_, &tv);
     // Sends are bounded too: a broker that stops reading (memory alarm) fails the batch instead of
@@ -128,14 +133,17 @@ private:
       const std::string why = describe(login);
       disconnect(false);
       // RabbitMQ answers a bad login or vhost by closing the socket: say what to check either way.
-      throw publish_error(where() + ": login as " + options_.user + " on vhost " + options_.vhost + " failed: " + why +
-                          "; check user, password, vhost and the user's permissions");
+      throw publish_error(
+          fmt::format("{}: login as {} on vhost {} failed: {}; check user, password, vhost and the "
+                      "user's permissions",
+                      where(), options_.user, options_.vhost, why));
     }
     amqp_channel_open(conn_, kChannel);
-    if (auto r = amqp_get_rpc_reply(conn_); r.reply_type != AMQP_RESPONSE_NORMAL) lost("channel.open: " + describe(r));
+    if (auto r = amqp_get_rpc_reply(conn_); r.reply_type != AMQP_RESPONSE_NORMAL)
+      lost(fmt::format("channel.open: {}", describe(r)));
     amqp_confirm_select(conn_, kChannel);
     if (auto r = amqp_get_rpc_reply(conn_); r.reply_type != AMQP_RESPONSE_NORMAL)
-      lost("confirm.select: " + describe(r));
+      lost(fmt::format("confirm.select: {}", describe(r)));
     next_tag_ = 1;  // delivery tags count per channel from 1
     connections_.fetch_add(1);
   }
@@ -167,7 +175,7 @@ private:
       const Route r = route_of(m.destination);
       const int rc = amqp_basic_publish(conn_, kChannel, bytes(r.exchange), bytes(r.routing_key), /*mandatory=*/1,
                                         /*immediate=*/0, &props, bytes(m.payload));
-      if (rc != AMQP_STATUS_OK) lost(std::string("basic.publish of ") + m.id + ": " + amqp_error_string2(rc));
+      if (rc != AMQP_STATUS_OK) lost(fmt::format("basic.publish of {}: {}", m.id, amqp_error_string2(rc)));
       ++next_tag_;
     }
   }
@@ -208,13 +216,12 @@ private:
     for (;;) {
       const auto left = deadline - Clock::now();
       if (left <= Clock::duration::zero())
-        lost("no answer within " + std::to_string(options_.timeout.count()) + " ms while waiting for " +
-             std::string(waiting_for));
+        lost(fmt::format("no answer within {} ms while waiting for {}", options_.timeout.count(), waiting_for));
       timeval tv = to_timeval(std::chrono::duration_cast<std::chrono::microseconds>(left));
       const int rc = amqp_simple_wait_frame_noblock(conn_, &f, &tv);
       if (rc == AMQP_STATUS_TIMEOUT) continue;
       if (rc != AMQP_STATUS_OK)
-        lost("connection lost while waiting for " + std::string(waiting_for) + ": " + amqp_error_string2(rc));
+        lost(fmt::format("connection lost while waiting for {}: {}", waiting_for, amqp_error_string2(rc)));
       if (f.channel == kChannel || f.channel == 0) return;
     }
   }
@@ -254,7 +261,8 @@ private:
         }
         case AMQP_BASIC_RETURN_METHOD: {
           const auto* r = static_cast<const amqp_basic_return_t*>(f.payload.method.decoded);
-          Returned ret{{}, str(r->exchange), str(r->routing_key), std::to_string(r->reply_code) + " " + str(r->reply_text)};
+          Returned ret{
+              {}, str(r->exchange), str(r->routing_key), fmt::format("{} {}", r->reply_code, str(r->reply_text))};
           ret.id = read_returned_content(deadline);
           returned.push_back(std::move(ret));
           break;
@@ -267,14 +275,14 @@ private:
           // 404: the exchange does not exist (yet): declaring it lets the batch through, so retry.
           // 403/406: refused for good (permissions, a message over the broker's size limit).
           const bool retryable = code != 403 && code != 406;
-          throw publish_error(where() + ": the broker closed the channel: " + std::to_string(code) + " " + text +
-                                  (code == 404 ? "; declare the exchange the destination names" : "") +
-                                  (retryable ? "; the batch will be sent again" : "; retrying cannot help"),
+          throw publish_error(fmt::format("{}: the broker closed the channel: {} {}{}{}", where(), code, text,
+                                          code == 404 ? "; declare the exchange the destination names" : "",
+                                          retryable ? "; the batch will be sent again" : "; retrying cannot help"),
                               retryable);
         }
         case AMQP_CONNECTION_CLOSE_METHOD: {
           const auto* c = static_cast<const amqp_connection_close_t*>(f.payload.method.decoded);
-          lost("the broker closed the connection: " + std::to_string(c->reply_code) + " " + str(c->reply_text));
+          lost(fmt::format("the broker closed the connection: {} {}", c->reply_code, str(c->reply_text)));
         }
         default:
           break;  // connection.blocked/unblocked and the like: the deadline bounds the wait
@@ -282,15 +290,16 @@ private:
     }
     if (!returned.empty()) {
       const Returned& r = returned.front();
-      throw publish_error(where() + ": " + std::to_string(returned.size()) + " of " + std::to_string(n) +
-                          " messages unroutable (first: " + r.id + " to exchange \"" + r.exchange +
-                          "\" routing key \"" + r.routing_key + "\": " + r.reply +
-                          "); bind a queue to it; the batch will be sent again");
+      throw publish_error(
+          fmt::format("{}: {} of {} messages unroutable (first: {} to exchange \"{}\" routing key "
+                      "\"{}\": {}); bind a queue to it; the batch will be sent again",
+                      where(), returned.size(), n, r.id, r.exchange, r.routing_key, r.reply));
     }
     if (nacks > 0)
-      throw publish_error(where() + ": the broker nacked " + std::to_string(nacks) + " of " + std::to_string(n) +
-                          " messages (it could not store them: disk or memory alarm, queue limit with reject-publish); "
-                          "the batch will be sent again");
+      throw publish_error(
+          fmt::format("{}: the broker nacked {} of {} messages (it could not store them: disk or memory "
+                      "alarm, queue limit with reject-publish); the batch will be sent again",
+                      where(), nacks, n));
   }
 
   RabbitMqPublisherOptions options_;
