@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
+#include "idem/detail/warning_relay.hpp"
 #include "idem/redis/client.hpp"
 #include "idem/redis/hash_slot.hpp"
 
@@ -456,6 +457,9 @@ Client& ClientHandle::impl() const {
   return *client_->impl_;
 }
 const RedisOptions& ClientHandle::options() const { return impl().options(); }
+void ClientHandle::attach_observer(const std::shared_ptr<Observer>& o) const {
+  idem::detail::attach_to_relay(impl().options().observer, o);
+}
 const std::shared_ptr<RedisClient>& ClientHandle::client() const {
   (void)impl();  // a moved-from store says so here too
   return client_;

@@ -8,6 +8,7 @@
 
 #include "client.hpp"
 #include "idem/core/error.hpp"
+#include "idem/detail/warning_relay.hpp"
 #include "idem/detail/hex.hpp"
 #include "idem/redis/options.hpp"
 
@@ -350,6 +351,8 @@ RedisOptions resolve_options(RedisOptions o) {
     o = parse_redis_url(url, std::move(o));
   }
   check_options(o);
+  // Every store on these options reports through one relay, to which guards attach their observers.
+  o.observer = idem::detail::WarningRelay::wrap(std::move(o.observer));
   return o;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "idem/detail/run_machine.hpp"
+#include "idem/detail/warning_relay.hpp"
 #include "idem/idem.hpp"
 
 using namespace std::chrono_literals;
@@ -422,4 +423,37 @@ TEST_CASE("action_of: one mapping from an exception to the broker action", "[mac
   CHECK(idem::action_of(std::make_exception_ptr(idem::connection_error("x"))) == BrokerAction::requeue);
   CHECK(idem::action_of(std::make_exception_ptr(idem::outcome_unknown_error("x"))) == BrokerAction::requeue);
   CHECK(idem::action_of(std::make_exception_ptr(std::runtime_error("handler"))) == BrokerAction::requeue);
+}
+
+namespace {
+struct Heard : idem::Observer {
+  std::vector<std::string> warnings;
+  void on_warning(std::string_view m) noexcept override { warnings.emplace_back(m); }
+};
+
+// A store with advisories, as the Redis and tiered stores have: its configured observer behind a relay.
+struct AdvisingStore : idem::MemoryStore {
+  std::shared_ptr<idem::Observer> observer = idem::detail::WarningRelay::wrap(nullptr);
+  void attach_observer(const std::shared_ptr<idem::Observer>& o) { idem::detail::attach_to_relay(observer, o); }
+  void warn(std::string_view m) { observer->on_warning(m); }
+};
+}  // namespace
+
+TEST_CASE("a guard's observer hears its store's advisories, those before it came first", "[machine][observer]") {
+  AdvisingStore store;
+  store.warn("eviction policy volatile-lru");
+  auto first = std::make_shared<Heard>();
+  idem::IdempotencyGuard a(store, {.observer = first});
+  CHECK(first->warnings == std::vector<std::string>{"eviction policy volatile-lru"});
+  auto second = std::make_shared<Heard>();
+  {
+    idem::IdempotencyGuard b(store, {.observer = second});
+    idem::IdempotencyGuard again(store, {.observer = second});  // attached once
+    store.warn("1 replica of 2");
+  }
+  CHECK(first->warnings.size() == 2);
+  CHECK(second->warnings == std::vector<std::string>{"eviction policy volatile-lru", "1 replica of 2"});
+  second.reset();  // held weakly: a gone observer is dropped, not kept alive
+  store.warn("third");
+  CHECK(first->warnings.back() == "third");
 }

@@ -271,6 +271,20 @@ TEST_CASE("redis that can evict idem's records is refused at construction, obser
   CHECK(obs->seen[0].find("unsafe_allow_eviction") != std::string::npos);
 }
 
+TEST_CASE("redis: a guard's observer hears the store's warnings without being set in RedisOptions", "[redis][fault]") {
+  RedisServer server;
+  REQUIRE(server.command({"CONFIG", "SET", "maxmemory", "100mb"}) == "OK");
+  REQUIRE(server.command({"CONFIG", "SET", "maxmemory-policy", "allkeys-lru"}) == "OK");
+  RedisOptions o = server.options();
+  o.unsafe_allow_eviction = true;
+  RedisStore store(o);  // warns at construction, before any guard exists
+  auto obs = std::make_shared<Warnings>();
+  idem::IdempotencyGuard guard(store, {.observer = obs});
+  REQUIRE(obs->seen.size() == 1);
+  CHECK(obs->seen[0].find("unsafe_allow_eviction") != std::string::npos);
+  CHECK(guard.run("k", [] { return 1; }).status == idem::Status::executed);
+}
+
 TEST_CASE("redis ACL user without CONFIG: the policy check warns instead of failing", "[redis][fault][acl]") {
   RedisServer server(idem::test::acl_config());
   auto obs = std::make_shared<Warnings>();

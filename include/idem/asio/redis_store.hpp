@@ -19,6 +19,7 @@
 
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
+#include "idem/detail/warning_relay.hpp"
 #include "idem/redis/options.hpp"
 
 namespace idem {
@@ -114,6 +115,9 @@ public:
   [[nodiscard]] executor_type get_executor() const noexcept { return ex_; }
   /// The options in force (URL applied).
   [[nodiscard]] const RedisOptions& options() const noexcept { return options_; }
+  /// Hands the store's advisories (Observer::on_warning) to `o` as well, those raised so far
+  /// first. A guard attaches its own observer.
+  void attach_observer(const std::shared_ptr<Observer>& o) const { detail::attach_to_relay(options_.observer, o); }
   /// What one call can carry (from the server's proto-max-bulk-len), as RedisStore::limits().
   [[nodiscard]] StoreLimits limits() const noexcept { return limits_; }
   /// Counters of the connection (thread-safe).

@@ -74,6 +74,9 @@ public:
       cache_ = std::make_unique<detail::LruCache>(options_.cache_capacity, options_.retention);
     if (options_.heartbeat)
       keeper_ = std::make_unique<detail::LeaseKeeper<Store>>(store, options_.lease, options_.observer);
+    // The store's advisories (eviction, replicas, degradation) reach this guard's observer too.
+    if constexpr (requires(Store& s, const std::shared_ptr<Observer>& o) { s.attach_observer(o); })
+      if (options_.observer) store.attach_observer(options_.observer);
     machine_config_.options = &options_;
     machine_config_.cache = cache_.get();
     if constexpr (TransactionalStore<Store>) {

@@ -31,6 +31,9 @@ public:
   [[nodiscard]] const RedisOptions& options() const;
   /// The client the store runs on, to build another store over it.
   [[nodiscard]] const std::shared_ptr<RedisClient>& client() const;
+  /// Hands the store's advisories (Observer::on_warning: an evicting policy, missing replicas) to
+  /// `o` as well, those raised so far first. A guard attaches its own observer.
+  void attach_observer(const std::shared_ptr<Observer>& o) const;
 
 protected:
   /// `owner` names the store in the moved-from message.

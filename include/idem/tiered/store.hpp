@@ -16,6 +16,7 @@
 
 #include "idem/core/error.hpp"
 #include "idem/core/observer.hpp"
+#include "idem/detail/warning_relay.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
 #include "idem/detail/hex.hpp"
@@ -184,7 +185,7 @@ public:
   /// Tiers over an existing RedisStore (shared, e.g. with a RedisSequenceStore) and PostgresStore;
   /// both must outlive this store. invalid_options_error when the options cannot work.
   TieredStore(RedisStore& fast, PostgresStore& truth, TieredStoreOptions options = {})
-      : truth_(&truth), options_(std::move(options)) {
+      : truth_(&truth), options_(relayed(std::move(options))) {
     check();
     fast_.store(&fast, std::memory_order_release);
   }
@@ -194,9 +195,10 @@ public:
   /// error: the store decides on PostgreSQL alone and builds the Redis store once it answers.
   /// invalid_options_error for options that cannot work (either set).
   TieredStore(RedisOptions fast, PostgresStore& truth, TieredStoreOptions options = {})
-      : truth_(&truth), options_(std::move(options)) {
+      : truth_(&truth), options_(relayed(std::move(options))) {
     check();
     fast.unsafe_allow_eviction = true;
+    if (!fast.observer) fast.observer = options_.observer;  // its Redis store's advisories come here too
     fast_options_.emplace(std::move(fast));
     try {
       build_fast();
@@ -304,6 +306,12 @@ public:
   [[nodiscard]] StoreLimits limits() const noexcept { return truth_->limits(); }
   /// The options in force.
   [[nodiscard]] const TieredStoreOptions& options() const noexcept { return options_; }
+  /// Hands the store's advisories (Redis failing and answering again, and its Redis store's) to
+  /// `o` as well, those raised so far first. A guard attaches its own observer.
+  void attach_observer(const std::shared_ptr<Observer>& o) const {
+    detail::attach_to_relay(options_.observer, o);
+    if (RedisStore* f = fast()) f->attach_observer(o);
+  }
   /// The PostgreSQL store (the truth).
   [[nodiscard]] PostgresStore& truth() const noexcept { return *truth_; }
   /// The Redis store, or null while one of its own could not be built yet (Redis down).
@@ -325,6 +333,11 @@ public:
 
 private:
   using clock = std::chrono::steady_clock;
+
+  static TieredStoreOptions relayed(TieredStoreOptions o) {
+    o.observer = detail::WarningRelay::wrap(std::move(o.observer));
+    return o;
+  }
 
   void check() const {
     if (options_.fast_retry_after < millis{0})
