@@ -6,6 +6,13 @@
 
 #include "idem/idem.hpp"
 
+// After idem, on purpose: its own declarations of libcrypto's digest (detail/platform.hpp) must
+// agree with OpenSSL's header, and idem.hpp must not have included it.
+#ifdef EVP_MAX_MD_SIZE
+#error "idem.hpp included <openssl/evp.h>"
+#endif
+#include <openssl/evp.h>
+
 using namespace std::chrono_literals;
 using Catch::Matchers::Contains;
 
@@ -172,3 +179,14 @@ TEST_CASE("errors say whether a retry can help", "[validation]") {
   CHECK_FALSE(idem::outcome_unknown_error("x").retryable());
   CHECK_FALSE(idem::corrupt_record_error("x").retryable());
 }
+
+TEST_CASE("idem.hpp does not pull OpenSSL's headers, and fingerprints as libcrypto does", "[validation]") {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  const std::string payload(1000, 'p');
+  REQUIRE(EVP_Digest(payload.data(), payload.size(), md, &len, EVP_sha256(), nullptr) == 1);
+  std::string hex;
+  for (unsigned i = 0; i < len; ++i) hex += fmt::format("{:02x}", md[i]);
+  CHECK(idem::fingerprint(payload) == hex);
+}
+
