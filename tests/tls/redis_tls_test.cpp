@@ -248,6 +248,9 @@ TEST_CASE("a TLS client on a plain-text port fails closed, within connect_timeou
   // (not TLS), closes, or waits for a newline that never comes; each says it may be plain text.
   CHECK_THAT(e.what(), Catch::Contains("TLS"));
   CHECK_THAT(e.what(), Catch::Contains("plain-text port"));
+  // Whichever it did, the port answers a plain PING: a TLS refusal, which no retry can help.
+  CHECK(e.code == "TLS");
+  CHECK_FALSE(e.retryable);
 }
 
 TEST_CASE("a plain-text client on a TLS-only port fails fast and says to use rediss://", "[redis][tls][fail]") {
