@@ -28,7 +28,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "contract/contract_suite.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
 #include "idem/redis/hash_slot.hpp"
@@ -91,14 +90,7 @@ idem::AcquireParams params(std::uint64_t token, idem::millis lease = 30s) {
 
 }  // namespace
 
-// ---- the store contract ------------------------------------------------------------------------
-
-struct RedisClusterFactory : idem::test::RedisFactoryBase {
-  using store_type = RedisStore;
-  RedisStore s{cluster_options(shared_cluster())};
-  store_type& store() { return s; }
-};
-IDEM_CONTRACT_SUITE(RedisClusterFactory, "[redis][cluster]")
+// The store contract on a cluster: redis_cluster_contract_test.cpp, on the CTest fixture's cluster.
 
 // ---- spread, sequences, batches ----------------------------------------------------------------
 
