@@ -1,18 +1,22 @@
-// RedisAdmin (include/idem/redis/admin.hpp): plain hiredis connections of its own, so the
-// operator's tool depends on nothing of the stores' client but the URL parser and the record codec.
+// RedisAdmin (include/idem/redis/admin.hpp): connections of its own, opened by the stores' own
+// connection factory (open_connection: TCP or a Unix socket, TLS and mutual TLS with hostname
+// checks; Sentinel finds the master), so every URL a store takes reaches the operator's tool too.
+// No pool, no scripts loaded at connect: doctor must work for a user who may not load them.
 
 #include "idem/redis/admin.hpp"
 
 #include <algorithm>
 #include <charconv>
 #include <map>
-#include <sys/time.h>
+#include <memory>
 
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
 #include "admin/idem_redis_scripts.hpp"
 #include "client.hpp"
+#include "command.hpp"
+#include "tls.hpp"
 #include "idem/core/error.hpp"
 #include "idem/redis/hash_slot.hpp"
 
@@ -26,7 +30,7 @@ struct Node {
   std::string host;
   int port = 0;
   std::string socket;
-  std::unique_ptr<redisContext, void (*)(redisContext*)> ctx{nullptr, redisFree};
+  detail::redis::Link link;
   std::string inspect_sha, release_sha;
 
   [[nodiscard]] std::string name() const { return socket.empty() ? fmt::format("{}:{}", host, port) : socket; }
@@ -62,20 +66,30 @@ std::int64_t reply_int(const redisReply* r) {
   throw store_error(fmt::format("idem: {} on {} failed: {}", what, n.name(), text), code, false);
 }
 
-ReplyPtr command(Node& n, const std::vector<std::string>& args) {
-  std::vector<const char*> argv;
-  std::vector<size_t> lens;
-  for (const auto& a : args) {
-    argv.push_back(a.data());
-    lens.push_back(a.size());
+// Every request sent before any reply is read: one round trip per page, however many keys.
+std::vector<ReplyPtr> pipeline(Node& n, const std::vector<std::vector<std::string>>& cmds) {
+  std::string out;
+  for (const auto& args : cmds) {
+    detail::redis::Command c;
+    for (const auto& a : args) c.arg(std::string_view(a));
+    out += c.format().view();
   }
-  auto* r = static_cast<redisReply*>(
-      redisCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data()));
-  if (!r)
-    throw connection_error(fmt::format("idem: the connection to {} failed: {}", n.name(),
-                                       detail::redis::reader_error(n.ctx->err, n.ctx->errstr)));
-  return {r, freeReplyObject};
+  if (n.link.write(out) != out.size())
+    throw connection_error(fmt::format("idem: cannot send to {}: {}", n.name(),
+                                       detail::redis::reader_error(n.link->err, n.link->errstr)));
+  std::vector<ReplyPtr> replies;
+  replies.reserve(cmds.size());
+  for (std::size_t i = 0; i < cmds.size(); ++i) {
+    detail::redis::ReplyPtr r = n.link.read();
+    if (!r)
+      throw connection_error(fmt::format("idem: the connection to {} failed: {}", n.name(),
+                                         detail::redis::reader_error(n.link->err, n.link->errstr)));
+    replies.emplace_back(r.release(), freeReplyObject);
+  }
+  return replies;
 }
+
+ReplyPtr command(Node& n, const std::vector<std::string>& args) { return std::move(pipeline(n, {args}).front()); }
 
 // A command whose error reply is an exception.
 ReplyPtr checked(Node& n, const std::vector<std::string>& args) {
@@ -84,29 +98,6 @@ ReplyPtr checked(Node& n, const std::vector<std::string>& args) {
   return r;
 }
 
-// Every request sent before any reply is read: one round trip per page, however many keys.
-std::vector<ReplyPtr> pipeline(Node& n, const std::vector<std::vector<std::string>>& cmds) {
-  for (const auto& args : cmds) {
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const auto& a : args) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
-    }
-    if (redisAppendCommandArgv(n.ctx.get(), static_cast<int>(argv.size()), argv.data(), lens.data()) != REDIS_OK)
-      throw connection_error(fmt::format("idem: cannot send to {}: {}", n.name(), n.ctx->errstr));
-  }
-  std::vector<ReplyPtr> out;
-  out.reserve(cmds.size());
-  for (std::size_t i = 0; i < cmds.size(); ++i) {
-    void* r = nullptr;
-    if (redisGetReply(n.ctx.get(), &r) != REDIS_OK || !r)
-      throw connection_error(fmt::format("idem: the connection to {} failed: {}", n.name(),
-                                         detail::redis::reader_error(n.ctx->err, n.ctx->errstr)));
-    out.emplace_back(static_cast<redisReply*>(r), freeReplyObject);
-  }
-  return out;
-}
 
 std::string glob_escape(std::string_view s) {
   std::string out;
@@ -145,6 +136,7 @@ int version_number(const std::string& v) {
 
 struct RedisAdmin::Impl {
   RedisOptions opt;
+  std::unique_ptr<const detail::redis::Tls> tls;  // rediss://: the stores' TLS, CA and name checks
   std::vector<Node> nodes;  // the server, or every master of the cluster
   // Cluster: slot ranges of each node, as CLUSTER SLOTS gave them.
   struct Range {
@@ -155,19 +147,9 @@ struct RedisAdmin::Impl {
   bool cluster = false;
 
   void connect(Node& n) const {
-    timeval tv{};
-    tv.tv_sec = opt.connect_timeout.count() / 1000;
-    tv.tv_usec = static_cast<suseconds_t>((opt.connect_timeout.count() % 1000) * 1000);
-    redisContext* c = n.socket.empty() ? redisConnectWithTimeout(n.host.c_str(), n.port, tv)
-                                       : redisConnectUnixWithTimeout(n.socket.c_str(), tv);
-    if (!c) throw connection_error("idem: cannot allocate a Redis connection");
-    n.ctx.reset(c);
-    if (c->err) throw connection_error(fmt::format("idem: cannot connect to Redis at {}: {}", n.name(), c->errstr));
-    detail::redis::limit_aggregates(c->reader);
-    timeval ct{};
-    ct.tv_sec = opt.command_timeout.count() / 1000;
-    ct.tv_usec = static_cast<suseconds_t>((opt.command_timeout.count() % 1000) * 1000);
-    redisSetTimeout(c, ct);
+    const detail::redis::Endpoint to = n.socket.empty() ? detail::redis::Endpoint{n.host, n.port}
+                                                        : detail::redis::Endpoint{n.socket, 0};
+    n.link = detail::redis::open_connection(to, opt, "Redis", tls.get());
     if (!opt.password.empty()) {
       auto r = opt.user.empty() ? command(n, {"AUTH", opt.password}) : command(n, {"AUTH", opt.user, opt.password});
       if (r->type == REDIS_REPLY_ERROR)
@@ -184,14 +166,18 @@ struct RedisAdmin::Impl {
     n.release_sha = reply_text(checked(n, {"SCRIPT", "LOAD", std::string(detail::redis_lua::admin_release)}).get());
   }
 
-  explicit Impl(RedisOptions o) : opt(o.url.empty() ? std::move(o) : parse_redis_url(o.url, o)) {
-    if (!opt.sentinels.empty())
-      throw invalid_options_error(
-          "idem: the admin tools do not follow Sentinel; point them at the master with redis://host:port");
-    // Their connections are plain hiredis ones: refuse TLS rather than talk in plain text.
-    if (opt.tls.enabled)
-      throw invalid_options_error("idem: the admin tools do not speak TLS yet (rediss://); run them where a plain "
-                                  "port of the server is reachable, or use the library's stores");
+  explicit Impl(RedisOptions o)
+      : opt(o.url.empty() ? std::move(o) : parse_redis_url(o.url, o)),
+        tls(opt.tls.enabled ? std::make_unique<const detail::redis::Tls>(opt.tls) : nullptr) {
+    if (!opt.sentinels.empty()) {
+      // The master the sentinels name now: an admin session is short, it does not follow failovers.
+      std::size_t first = 0;
+      const detail::redis::Endpoint master = detail::redis::discover_master(
+          opt, detail::redis::sentinel_endpoints(opt), opt.tls.sentinels ? tls.get() : nullptr, first);
+      opt.host = master.host;
+      opt.port = master.port;
+      opt.unix_socket.clear();
+    }
     if (!opt.cluster_nodes.empty()) {
       cluster = true;
       discover_cluster();

@@ -145,6 +145,11 @@ std::string describe(const Endpoint& e);
 // A socket to `to` with connect_timeout and command_timeout set, over TLS when `tls` is not null
 // (connection_error naming `role`).
 Link open_connection(const Endpoint& to, const RedisOptions& o, const char* role, const Tls* tls);
+// Sentinel mode: asks `sentinels` in turn, from `first` (left at the one that answered), for the
+// address of o.sentinel_master, over TLS when `tls` is not null. connection_error when none names
+// it (code TLS, not retryable, when every sentinel failed a TLS check).
+Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sentinels, const Tls* tls,
+                         std::size_t& first);
 
 class Cluster;
 

@@ -37,23 +37,28 @@ std::pair<Endpoint, std::uint64_t> Client::master() const {
 }
 
 Endpoint Client::discover() const {
+  return discover_master(opt_, sentinels_, opt_.tls.sentinels ? tls_.get() : nullptr, first_sentinel_);
+}
+
+Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sentinels, const Tls* tls,
+                         std::size_t& first) {
   Command ask;
-  ask.arg("SENTINEL").arg("get-master-addr-by-name").arg(opt_.sentinel_master);
+  ask.arg("SENTINEL").arg("get-master-addr-by-name").arg(o.sentinel_master);
   Pipeline p;
-  add_auth(p, opt_.sentinel_user, opt_.sentinel_password);
+  add_auth(p, o.sentinel_user, o.sentinel_password);
   p.add(ask.format());
   std::string why;
   bool any_answer = false;
   int tls_refused = 0;  // sentinels whose TLS checks failed
-  for (std::size_t n = 0; n < sentinels_.size(); ++n) {
-    const std::size_t i = (first_sentinel_ + n) % sentinels_.size();
-    const std::string at = describe(sentinels_[i]);
+  for (std::size_t n = 0; n < sentinels.size(); ++n) {
+    const std::size_t i = (first + n) % sentinels.size();
+    const std::string at = describe(sentinels[i]);
     try {
-      Link c = open(sentinels_[i], "the Redis sentinel", opt_.tls.sentinels ? tls_.get() : nullptr);
+      Link c = open_connection(sentinels[i], o, "the Redis sentinel", tls);
       // Not read_reply: its messages name the master, whose lock this thread holds.
       auto failed = [&](const char* during) {
         fmt::format_to(std::back_inserter(why), "; {}: {}", at,
-                       io_failure(c.context.get(), during, at, opt_.command_timeout).text);
+                       io_failure(c.context.get(), during, at, o.command_timeout).text);
       };
       if (c.write(p.all()) != p.all().size()) {
         failed("while sending");
@@ -83,20 +88,20 @@ Endpoint Client::discover() const {
         int port = 0;
         const std::string_view ps = reply_text(r->element[1]);
         if (std::from_chars(ps.data(), ps.data() + ps.size(), port).ec == std::errc{} && port > 0 && port < 65536) {
-          first_sentinel_ = i;
+          first = i;
           return {std::string(reply_text(r->element[0])), port};
         }
       }
-      fmt::format_to(std::back_inserter(why), "; {} does not know a master named '{}'", at, opt_.sentinel_master);
+      fmt::format_to(std::back_inserter(why), "; {} does not know a master named '{}'", at, o.sentinel_master);
     } catch (const error& e) {
       fmt::format_to(std::back_inserter(why), "; {}: {}", at, e.what());
       if (const auto* ce = dynamic_cast<const connection_error*>(&e); ce && ce->code() == "TLS" && !ce->retryable())
         ++tls_refused;
     }
   }
-  const std::string msg = fmt::format("idem: no sentinel named the Redis master '{}'{}", opt_.sentinel_master, why);
+  const std::string msg = fmt::format("idem: no sentinel named the Redis master '{}'{}", o.sentinel_master, why);
   // Every sentinel failed a TLS check: asking again cannot help.
-  if (tls_refused > 0 && static_cast<std::size_t>(tls_refused) == sentinels_.size())
+  if (tls_refused > 0 && static_cast<std::size_t>(tls_refused) == sentinels.size())
     throw connection_error(fmt::format("{}. Check the TLS settings (RedisOptions::tls, tls.sentinels)", msg), "TLS",
                            false);
   if (any_answer)

@@ -15,6 +15,7 @@
 #include <thread>
 #include <typeinfo>
 
+#include "idem/redis/admin.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
 #include "redis_factory.hpp"
@@ -209,6 +210,24 @@ TEST_CASE("redis failover fences with min_replica_acks 0: a claim lost in the fa
   CHECK(sink.write(a.holder.fence));  // equal fences: the downstream cannot tell the holders apart
   WARN("acks 0 across a failover: old holder fence " << a.holder.fence << ", next holder fence " << b.holder.fence
                                                      << ", the downstream accepted both writes");
+}
+
+TEST_CASE("redis sentinel: RedisAdmin (the idem tool) reaches the master through a redis-sentinel URL",
+          "[redis][failover][sentinel][admin]") {
+  SentinelTopology topo;
+  idem::RedisOptions o;
+  o.url = topo.url();
+  RedisStore store(o);
+  const std::string key = "admin-sentinel-" + idem::test::random_hex();
+  auto r = store.acquire(key, params(7, 30s));
+  REQUIRE(r.status == idem::AcquireStatus::acquired);
+  REQUIRE(store.complete(key, r.holder, "done", 60s) == idem::WriteStatus::ok);
+  idem::RedisAdmin admin(o);
+  const auto rec = admin.inspect(key);
+  REQUIRE(rec);
+  CHECK(rec->record.state == idem::State::completed);
+  CHECK(rec->record.result == "done");
+  CHECK_FALSE(admin.doctor().empty());
 }
 
 TEST_CASE("redis sentinel: a store built from a redis-sentinel URL follows a failover", "[redis][failover][sentinel]") {

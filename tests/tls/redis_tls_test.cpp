@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "idem/redis/admin.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
 #include "redis/redis_factory.hpp"
@@ -388,3 +389,36 @@ TEST_CASE("Redis Cluster over TLS: every node connection is TLS", "[redis][tls][
   plain.url = "redis-cluster://127.0.0.1:" + std::to_string(nodes[1]->port());
   CHECK_THROWS_WITH(idem::RedisStore(plain), Catch::Contains("rediss://"));
 }
+
+TEST_CASE("RedisAdmin (the idem tool) reads records over rediss://, with mutual TLS too", "[redis][tls][admin]") {
+  for (const bool mutual : {false, true}) {
+    INFO((mutual ? "mutual TLS" : "server-checked TLS"));
+    TlsRedisServer server(TlsServerConfig{"server", mutual ? "yes" : "no", {}});
+    const idem::RedisOptions o = mutual ? server.mtls_options() : server.options();
+    idem::RedisStore store(o);
+    const std::string key = "admin-tls-" + std::to_string(mutual);
+    idem::AcquireParams p;
+    p.token = 9;
+    p.retention = 60s;
+    auto r = store.acquire(key, p);
+    REQUIRE(r.status == idem::AcquireStatus::acquired);
+    REQUIRE(store.complete(key, r.holder, "receipt", 60s) == idem::WriteStatus::ok);
+    idem::RedisAdmin admin(o);
+    const auto rec = admin.inspect(key);
+    REQUIRE(rec);
+    CHECK(rec->record.result == "receipt");
+    CHECK(admin.stats().records >= 1);
+  }
+  // The same checks as the stores': a CA that did not sign the server is refused, not retried.
+  TlsRedisServer server;
+  idem::RedisOptions wrong_ca = server.options();
+  wrong_ca.tls.ca_file = cert("other-ca.crt");
+  try {
+    idem::RedisAdmin admin(wrong_ca);
+    FAIL("an admin connection trusted a server its CA did not sign");
+  } catch (const idem::connection_error& e) {
+    CHECK(e.code() == "TLS");
+    CHECK_FALSE(e.retryable());
+  }
+}
+
