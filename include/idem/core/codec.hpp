@@ -92,7 +92,7 @@ private:
       if (ec == std::errc::result_out_of_range && end == s.data() + s.size() && subnormal(s, v)) return v;
     }
     if (ec != std::errc{} || end != s.data() + s.size() || s.empty())
-      throw codec_error("idem: stored value is not a valid " + std::string(typeid(T).name()));
+      throw codec_error(fmt::format("idem: stored value is not a valid {}", typeid(T).name()));
     return v;
   }
 

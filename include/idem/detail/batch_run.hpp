@@ -117,6 +117,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
   // One machine per first occurrence; reserved up front, so none moves while it is being stepped.
   std::vector<std::size_t> item_of;
   std::vector<machine<R>> ms;
+  item_of.reserve(n);
   ms.reserve(n);
   for (std::size_t i = 0; i < n; ++i)
     if (first_of[i] == detail::no_item) {
@@ -153,6 +154,8 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
     // Every acquisition in one call.
     std::vector<AcquireRequest> requests;
     std::vector<std::size_t> asking;
+    requests.reserve(ms.size());
+    asking.reserve(ms.size());
     for (std::size_t k = 0; k < ms.size(); ++k)
       if ((next[k] = ms[k].start()) == Next::send) {
         requests.push_back(AcquireRequest{ms[k].key(), ms[k].acquire_params()});
@@ -180,6 +183,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
       }
     auto writer = store_->batch_writer();
     std::vector<std::size_t> sent;  // machines whose write awaits finish()
+    sent.reserve(ms.size());
     bool stopped = false;
     for (std::size_t k = 0; k < ms.size(); ++k) {
       if (next[k] != Next::run_handler) continue;

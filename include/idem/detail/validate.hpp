@@ -5,6 +5,8 @@
 #include <string>
 #include <string_view>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/core/record.hpp"
 
@@ -17,22 +19,21 @@ inline void check_key(std::string_view key, std::size_t max_bytes = default_max_
   if (key.empty())
     throw invalid_key_error("idem: the idempotency key is empty; derive it from a stable message id");
   if (key.size() > max_bytes)
-    throw invalid_key_error("idem: the idempotency key is " + std::to_string(key.size()) +
-                            " bytes, over the limit of " + std::to_string(max_bytes) +
-                            "; hash long keys (idem::fingerprint) or raise max_key_bytes");
+    throw invalid_key_error(fmt::format("idem: the idempotency key is {} bytes, over the limit of {}; hash long keys "
+                                        "(idem::fingerprint) or raise max_key_bytes",
+                                        key.size(), max_bytes));
 }
 
 inline void check_lease(millis lease, const char* what = "lease") {
   if (lease <= millis{0})
-    throw invalid_options_error(std::string("idem: ") + what + " must be positive, got " +
-                                std::to_string(lease.count()) + " ms");
+    throw invalid_options_error(fmt::format("idem: {} must be positive, got {} ms", what, lease.count()));
 }
 
 inline void check_retention(millis retention, millis lease) {
   if (retention < lease)
-    throw invalid_options_error("idem: retention (" + std::to_string(retention.count()) +
-                                " ms) is shorter than the lease (" + std::to_string(lease.count()) +
-                                " ms); a record must outlive its lease, raise retention");
+    throw invalid_options_error(fmt::format("idem: retention ({} ms) is shorter than the lease ({} ms); a record "
+                                            "must outlive its lease, raise retention",
+                                            retention.count(), lease.count()));
 }
 
 inline void check_acquire(std::string_view key, const AcquireParams& p) {

@@ -9,6 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/detail/sharded_map.hpp"
 #include "idem/sequence/sequence_store.hpp"
@@ -59,9 +61,9 @@ public:
     auto it = sh.map.find(entity);
     if (it == sh.map.end()) {
       if (per_shard_cap_ != 0 && sh.map.size() >= per_shard_cap_)
-        throw capacity_error("idem: MemorySequenceStore is full (max_entities=" +
-                                 std::to_string(options_.max_entities) + "); raise max_entities",
-                             "FULL");
+        throw capacity_error(
+            fmt::format("idem: MemorySequenceStore is full (max_entities={}); raise max_entities", options_.max_entities),
+            "FULL");
       sh.map.emplace(std::string(entity), seq);
       return {true, std::nullopt};
     }

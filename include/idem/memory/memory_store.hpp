@@ -13,6 +13,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "idem/core/clock.hpp"
 #include "idem/detail/sharded_map.hpp"
 #include "idem/detail/validate.hpp"
@@ -192,9 +194,10 @@ private:
       if (per_shard_cap_ != 0 && sh.map.size() >= per_shard_cap_) {
         purge_locked(sh, now);
         if (sh.map.size() >= per_shard_cap_)
-          throw capacity_error("idem: MemoryStore is full (max_records=" + std::to_string(options_.max_records) +
-                                   "); lower retention or raise max_records",
-                               "FULL");
+          throw capacity_error(
+              fmt::format("idem: MemoryStore is full (max_records={}); lower retention or raise max_records",
+                          options_.max_records),
+              "FULL");
       }
       Entry e;
       e.rec.state = State::in_progress;

@@ -9,6 +9,8 @@
 #include <type_traits>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "idem/core/observer.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/store.hpp"
@@ -162,8 +164,9 @@ private:
       }
       // Only an erase() racing this event can open a gap after the precheck: roll back, retry.
       if (options_.contiguous && a.previous != last)
-        throw store_error("idem: the sequence of entity '" + detail::printable(ev.entity) +
-                              "' changed under a contiguous event (erased meanwhile?); retry it",
+        throw store_error(fmt::format("idem: the sequence of entity '{}' changed under a contiguous event (erased "
+                                      "meanwhile?); retry it",
+                                      detail::printable(ev.entity)),
                           "", true);
       if constexpr (std::is_invocable_v<F&, const Ctx&>)
         return handler(ctx);

@@ -12,6 +12,8 @@
 #include <string_view>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
@@ -97,9 +99,9 @@ inline void check_entity(std::string_view entity, std::size_t max_bytes = defaul
     throw invalid_entity_error(
         "idem: the entity id is empty; pass the id of the aggregate the sequence belongs to (account, order, ...)");
   if (entity.size() > max_bytes)
-    throw invalid_entity_error("idem: the entity id is " + std::to_string(entity.size()) +
-                               " bytes, over the limit of " + std::to_string(max_bytes) +
-                               "; hash long ids or raise max_entity_bytes");
+    throw invalid_entity_error(fmt::format("idem: the entity id is {} bytes, over the limit of {}; hash long ids or "
+                                           "raise max_entity_bytes",
+                                           entity.size(), max_bytes));
 }
 }  // namespace detail
 

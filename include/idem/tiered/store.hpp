@@ -14,6 +14,8 @@
 #include <string_view>
 #include <utility>
 
+#include <fmt/format.h>
+
 #include "idem/core/error.hpp"
 #include "idem/core/observer.hpp"
 #include "idem/detail/warning_relay.hpp"
@@ -154,8 +156,9 @@ public:
     /// Redis alone answered and there is none.
     PostgresStore::Transaction& postgres() {
       if (!pg_)
-        throw usage_error("idem: this TieredStore transaction has no PostgreSQL transaction: Redis answered "
-                          "its decision (" + std::string(to_string(decision_.status)) + ")");
+        throw usage_error(fmt::format("idem: this TieredStore transaction has no PostgreSQL transaction: Redis "
+                                      "answered its decision ({})",
+                                      to_string(decision_.status)));
       return *pg_;
     }
     /// The PostgreSQL transaction, so code written for PostgresStore's (PostgresSequenceStore::advance,
@@ -377,10 +380,10 @@ private:
     fast_down_until_.store(until.time_since_epoch().count(), std::memory_order_relaxed);
     if (!degraded_.exchange(true) && options_.observer) {
       try {
-        const std::string on = key.empty() ? std::string() : " on key '" + detail::printable(key) + "'";
-        options_.observer->on_warning("idem: TieredStore: Redis failed" + on + " (" + std::string(e.what()) +
-                                      "); deciding on PostgreSQL alone (exact, slower), asking Redis again every " +
-                                      std::to_string(options_.fast_retry_after.count()) + " ms");
+        const std::string on = key.empty() ? std::string() : fmt::format(" on key '{}'", detail::printable(key));
+        options_.observer->on_warning(fmt::format("idem: TieredStore: Redis failed{} ({}); deciding on PostgreSQL "
+                                                  "alone (exact, slower), asking Redis again every {} ms",
+                                                  on, e.what(), options_.fast_retry_after.count()));
       } catch (...) {
       }
     }
