@@ -4,6 +4,8 @@
 
 #include <string>
 
+#include <fmt/core.h>
+
 #include "idem/idem.hpp"
 
 // After idem, on purpose: its own declarations of libcrypto's digest (detail/platform.hpp) must

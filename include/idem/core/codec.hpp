@@ -15,7 +15,7 @@
 #include <optional>
 #include <variant>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"

@@ -22,7 +22,7 @@
 #include <type_traits>
 #include <utility>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/codec.hpp"
 #include "idem/core/error.hpp"

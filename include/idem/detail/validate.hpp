@@ -5,7 +5,7 @@
 #include <string>
 #include <string_view>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/error.hpp"
 #include "idem/core/record.hpp"

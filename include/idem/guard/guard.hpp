@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <utility>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 #include <unistd.h>
 
 #include "idem/core/codec.hpp"

@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/error.hpp"
 #include "idem/detail/sharded_map.hpp"

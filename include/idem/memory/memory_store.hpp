@@ -13,7 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/clock.hpp"
 #include "idem/detail/sharded_map.hpp"

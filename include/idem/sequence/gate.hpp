@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <utility>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/observer.hpp"
 #include "idem/core/outcome.hpp"

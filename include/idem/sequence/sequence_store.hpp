@@ -12,7 +12,7 @@
 #include <string_view>
 #include <utility>
 
-#include <fmt/format.h>
+#include <fmt/core.h>
 
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
