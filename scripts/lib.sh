@@ -41,7 +41,7 @@ ensure_packages() {
   return 0
 }
 
-core_packages=(cmake ninja-build g++ pkg-config libssl-dev)
+core_packages=(cmake ninja-build g++ pkg-config libssl-dev libfmt-dev)
 all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev redis-server redis-tools
               openssl postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps
               prometheus-cpp-dev libcli11-dev libboost-dev)
