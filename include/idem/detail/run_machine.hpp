@@ -114,7 +114,7 @@ public:
   /// Call::acquire: its parameters (a fresh token each time).
   [[nodiscard]] const AcquireParams& acquire_params() const noexcept { return ap_; }
   /// complete / complete_unavailable / fail: the holder the acquire returned.
-  [[nodiscard]] const Holder& holder() const noexcept { return claim_.holder; }
+  [[nodiscard]] const Holder& holder() const noexcept { return holder_; }
   /// Call::complete: the encoded result; Call::complete_unavailable: why it is not stored.
   [[nodiscard]] std::string_view result() const noexcept { return encoded_; }
   /// Call::fail: what to write; its text views the machine's own copy (valid while the machine is).
@@ -132,9 +132,10 @@ public:
     out_.attempt = ar.attempts;
     switch (ar.status) {
       case AcquireStatus::acquired:
-        claim_ = std::move(ar);
-        out_.fence = claim_.holder.fence;
-        out_.takeover = claim_.takeover;
+        holder_ = ar.holder;
+        attempts_ = ar.attempts;
+        out_.fence = holder_.fence;
+        out_.takeover = ar.takeover;
         phase_ = Phase::holding;
         return Next::run_handler;
       case AcquireStatus::in_flight:
@@ -236,9 +237,9 @@ public:
   /// Fills what the handler learns about its run; `stop` fires when the lease is lost.
   void fill(Context& ctx, std::stop_token stop) const {
     ctx.key = key_;
-    ctx.fence = claim_.holder.fence;
-    ctx.attempt = claim_.attempts;
-    ctx.takeover = claim_.takeover;
+    ctx.fence = holder_.fence;
+    ctx.attempt = attempts_;
+    ctx.takeover = out_.takeover;
     ctx.stop = std::move(stop);
   }
 
@@ -270,7 +271,7 @@ public:
     const GuardOptions& o = *cfg_->options;
     if (o.observer) o.observer->on_handler_error(key_, e);
     handler_error_ = std::move(e);
-    return ask_fail(Phase::failing, failure_params(o.failure, o.retention, claim_.attempts, describe(handler_error_)));
+    return ask_fail(Phase::failing, failure_params(o.failure, o.retention, attempts_, describe(handler_error_)));
   }
 
   /// The handler found its event stale (SequenceGate): release the key without counting a failure.
@@ -398,7 +399,8 @@ private:
   Phase phase_ = Phase::idle;
   Call call_ = Call::acquire;
   AcquireParams ap_;
-  AcquireResult claim_;
+  Holder holder_;             // the claim, when acquired
+  std::uint32_t attempts_ = 0;
   std::string encoded_;  // complete: the result; complete_unavailable: why
   std::string why_;      // unstorable: why
   std::string fail_text_;
