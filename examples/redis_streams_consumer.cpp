@@ -323,7 +323,7 @@ private:
 
   // The broker action of an outcome (Outcome::action: the table of the header comment) in this
   // consumer's terms: requeue is "leave it pending", its redelivery retries it.
-  static Action action_of(idem::BrokerAction a) {
+  static Action to_action(idem::BrokerAction a) {
     switch (a) {
       case idem::BrokerAction::ack: return Action::ack;
       case idem::BrokerAction::dead_letter: return Action::dead_letter;
@@ -345,7 +345,7 @@ private:
       case idem::Status::previously_failed: reason = out.error; break;
       case idem::Status::mismatch: reason = "event id reused with a different payload"; break;
     }
-    return action_of(out.action());
+    return to_action(out.action());
   }
 
   // A run that ended in an exception: idem::action_of decides (a store error or the handler's
@@ -363,7 +363,7 @@ private:
     } catch (...) {
       ++n_.handler_errors;
     }
-    return action_of(idem::action_of(e));
+    return to_action(idem::action_of(e));
   }
 
   void handle_batch(const std::vector<Entry>& entries) {

@@ -4,6 +4,8 @@
 
 #include "client.hpp"
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -159,6 +161,23 @@ bool Link::idle() noexcept {
   return rc == 0;
 }
 
+namespace {
+
+// Whether `to` answers a plain-text PING with RESP (a reply or an error reply), within 500 ms at most.
+bool answers_plain_ping(const Endpoint& to, const RedisOptions& o) {
+  RedisOptions probe = o;
+  probe.connect_timeout = probe.command_timeout = std::min(o.connect_timeout, millis{500});
+  try {
+    Link plain = open_connection(to, probe, "Redis", nullptr);
+    constexpr std::string_view ping = "PING\r\n";
+    return plain.write(ping) == ping.size() && plain.read() != nullptr;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
 Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* role, const Tls* tls) {
   const timeval ctv = to_timeval(opt_.connect_timeout);
   redisContext* raw = to.port == 0 ? redisConnectUnixWithTimeout(to.host.c_str(), ctv)
@@ -176,7 +195,20 @@ Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* r
     throw connection_error(fmt::format("idem: cannot set the command timeout on a Redis socket: {}", c->errstr), "",
                            true);
   Link link{std::move(c), nullptr};
-  if (tls != nullptr) link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout);
+  if (tls == nullptr) return link;
+  try {
+    link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout);
+  } catch (const store_error& e) {
+    // A handshake that stalled or was closed may be a slow network (retry) or a plain-text Redis,
+    // which waits for a newline in the ClientHello's bytes or closes: if the port answers a PING
+    // in plain text, no retry can help.
+    if (!e.retryable() || !answers_plain_ping(to, opt_)) throw;
+    throw connection_error(fmt::format("idem: TLS with {} at {} failed: it is a plain-text port (the handshake "
+                                       "stalled or was closed, and a PING in plain text was answered); use redis:// "
+                                       "for it, or the server's tls-port for rediss://",
+                                       role, at),
+                           "TLS", false);
+  }
   return link;
 }
 

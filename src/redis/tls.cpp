@@ -2,7 +2,6 @@
 
 #include "tls.hpp"
 
-#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -128,39 +127,6 @@ std::string verify_failure(long code, const std::string& name) {
   }
 }
 
-// Whether the peer of `fd` answers a plain-text PING with RESP within `budget`, on a connection of
-// its own. A handshake that stalls or is closed may be a slow network or a plain-text Redis (which
-// waits for a newline in the ClientHello's bytes, or closes): a RESP answer settles it, and then no
-// retry can help. Any failure of the probe itself answers false (the error stays retryable).
-bool answers_plain_resp(int fd, millis budget) {
-  sockaddr_storage peer{};
-  socklen_t len = sizeof peer;
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) != 0) return false;
-  const int probe = ::socket(peer.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (probe < 0) return false;
-  const auto deadline = std::chrono::steady_clock::now() + budget;
-  auto wait_for = [&](short events) {
-    for (;;) {
-      const auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return false;
-      pollfd p{probe, events, 0};
-      const int n = ::poll(&p, 1, static_cast<int>(left.count()));
-      if (n > 0) return (p.revents & events) != 0;
-      if (n == 0 || errno != EINTR) return false;
-    }
-  };
-  bool resp = false;
-  if ((::connect(probe, reinterpret_cast<sockaddr*>(&peer), len) == 0 || errno == EINPROGRESS) && wait_for(POLLOUT)) {
-    static constexpr char ping[] = "PING\r\n";
-    if (::send(probe, ping, sizeof ping - 1, MSG_NOSIGNAL) == static_cast<ssize_t>(sizeof ping - 1) && wait_for(POLLIN)) {
-      char first = 0;
-      resp = ::recv(probe, &first, 1, 0) == 1 && (first == '+' || first == '-');
-    }
-  }
-  ::close(probe);
-  return resp;
-}
-
 [[noreturn]] void refuse(const std::string& at, const char* role, const std::string& why) {
   throw connection_error(fmt::format("idem: TLS with {} at {} failed: {}", role, at, why), "TLS", false);
 }
@@ -247,9 +213,6 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
         while (n < 0 && errno == EINTR);
       }
       if (n > 0) continue;
-      if (answers_plain_resp(fd, std::min(timeout, millis{500})))
-        refuse(at, role, "it is a plain-text port: the handshake got no answer, and a PING in plain text did; use "
-                         "redis:// for it, or the server's tls-port for rediss://");
       throw timeout_error(fmt::format("idem: TLS handshake with {} at {} did not complete within connect_timeout ({} "
                                       "ms): the network is slow, or it is a plain-text port (a Redis without TLS "
                                       "waits for more of what it takes for a command); retry later, or use redis:// "
@@ -281,9 +244,6 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
     // The socket failed or closed under the handshake: a closed one is what a plain-text Redis
     // does with the handshake's bytes, so say so; both may pass, so both are retryable.
     const int sys = errno;
-    if (answers_plain_resp(fd, std::min(timeout, millis{500})))
-      refuse(at, role, "it is a plain-text port: it closed the handshake, and answered a PING in plain text; use "
-                       "redis:// for it, or the server's tls-port for rediss://");
     const std::string why = sys != 0 ? std::strerror(sys) : "the server closed the connection";
     throw connection_error(fmt::format("idem: TLS handshake with {} at {} failed: {} (a plain-text Redis closes the "
                                        "connection on a TLS handshake: use redis:// for a plain-text port); retry "

@@ -133,7 +133,6 @@ public:
     switch (ar.status) {
       case AcquireStatus::acquired:
         holder_ = ar.holder;
-        attempts_ = ar.attempts;
         out_.fence = holder_.fence;
         out_.takeover = ar.takeover;
         phase_ = Phase::holding;
@@ -238,7 +237,7 @@ public:
   void fill(Context& ctx, std::stop_token stop) const {
     ctx.key = key_;
     ctx.fence = holder_.fence;
-    ctx.attempt = attempts_;
+    ctx.attempt = out_.attempt;
     ctx.takeover = out_.takeover;
     ctx.stop = std::move(stop);
   }
@@ -271,7 +270,7 @@ public:
     const GuardOptions& o = *cfg_->options;
     if (o.observer) o.observer->on_handler_error(key_, e);
     handler_error_ = std::move(e);
-    return ask_fail(Phase::failing, failure_params(o.failure, o.retention, attempts_, describe(handler_error_)));
+    return ask_fail(Phase::failing, failure_params(o.failure, o.retention, out_.attempt, describe(handler_error_)));
   }
 
   /// The handler found its event stale (SequenceGate): release the key without counting a failure.
@@ -399,8 +398,7 @@ private:
   Phase phase_ = Phase::idle;
   Call call_ = Call::acquire;
   AcquireParams ap_;
-  Holder holder_;             // the claim, when acquired
-  std::uint32_t attempts_ = 0;
+  Holder holder_;  // the claim, when acquired (its attempts and takeover are in out_)
   std::string encoded_;  // complete: the result; complete_unavailable: why
   std::string why_;      // unstorable: why
   std::string fail_text_;
