@@ -301,6 +301,7 @@ int main(int argc, char** argv) try {
   std::atomic<long> deliveries{0}, executed{0}, duplicates{0}, stale{0}, gaps{0}, in_flight{0}, retried{0},
       dead{0}, handler_runs{0};
   const auto deadline = Clock::now() + 300s;
+  constexpr idem::millis max_redelivery_delay{1'000};
   std::atomic<bool> timed_out{false};
 
   // ---- the consumer loop: copy this shape into your service ----------------------------------
@@ -351,7 +352,11 @@ int main(int argc, char** argv) try {
         switch (out.action()) {
           case idem::BrokerAction::ack: broker.ack(); break;
           case idem::BrokerAction::requeue:  // gap (predecessor missing) or a live holder
-            broker.requeue(d, std::max(out.retry_after, idem::millis{1}));
+            // TUNE: the redelivery delay. A row another transaction has locked answers in_flight
+            // with the whole lease as retry_after (the store cannot see how far that transaction
+            // is); it usually commits within milliseconds, so come back sooner than that and find
+            // it completed (duplicate) or, if it rolled back, free.
+            broker.requeue(d, std::clamp(out.retry_after, idem::millis{1}, max_redelivery_delay));
             break;
           case idem::BrokerAction::dead_letter:  // previously_failed / mismatch: a human looks
             ++dead;
