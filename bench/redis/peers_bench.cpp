@@ -5,6 +5,8 @@
 //   blocking     RedisStore (pooled connections), one thread per call in flight
 //   multiplexed  AsyncRedisStore's blocking calls, one thread per call in flight, one connection
 //   async        run_async on AsyncRedisStore: one thread, --conc coroutines in flight, one connection
+// (multiplexed and async auto-batch: steps queued behind a write leave as one script call; the
+// -nobatch modes set RedisOptions::auto_batch = 1, one call per step, to show what it buys)
 // and writes bench.mjs's JSON schema (--json FILE), one "peer" per mode, so the harness's report
 // puts the rows next to the peers'. Server commands per call come from INFO commandstats deltas.
 #include <utility>
@@ -60,11 +62,12 @@ std::vector<std::string> split(const std::string& s) {
 [[noreturn]] void usage(int rc) {
   std::fprintf(rc ? stderr : stdout,
                "usage: idem_peers_bench [--redis-port P] [--json FILE] [--ops N] [--reps N] [--warmup N]\n"
-               "                        [--conc N] [--dupkeys N] [--modes blocking,multiplexed,async]\n"
+               "                        [--conc N] [--dupkeys N] [--modes blocking,multiplexed,async,...]\n"
                "                        [--cases new-seq,new-c16,dup-seq,dup-c16]\n"
                "Runs idem's guard in the peer benchmark's cases against a running redis-server on 127.0.0.1\n"
                "(FLUSHALL before each run: use a server of its own) and prints one line per case; --json\n"
-               "writes the peer harness's schema (bench.mjs) so its report.mjs puts idem next to the peers.\n");
+               "writes the peer harness's schema (bench.mjs) so its report.mjs puts idem next to the peers.\n"
+               "Modes: blocking, multiplexed, async (auto-batching on), multiplexed-nobatch, async-nobatch.\n");
   std::exit(rc);
 }
 
@@ -203,10 +206,13 @@ struct IoThread {
 
 class Multiplexed final : public Mode {
 public:
-  explicit Multiplexed(int port) : store_(io_.io.get_executor(), options(port)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
-  static idem::RedisOptions options(int port) {
+  Multiplexed(int port, std::size_t batch)
+      : store_(io_.io.get_executor(), options(port, batch)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  // batch: RedisOptions::auto_batch (1 = one script call per step)
+  static idem::RedisOptions options(int port, std::size_t batch) {
     idem::RedisOptions o;
     o.port = port;
+    o.auto_batch = batch;
     return o;
   }
   void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
@@ -221,7 +227,8 @@ private:
 
 class Async final : public Mode {
 public:
-  explicit Async(int port) : store_(io_.get_executor(), Multiplexed::options(port)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  Async(int port, std::size_t batch)
+      : store_(io_.get_executor(), Multiplexed::options(port, batch)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
   // `conc` coroutines on this thread's io_context, each taking the next key.
   void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
     std::size_t next = 0;
@@ -257,9 +264,13 @@ private:
 
 std::unique_ptr<Mode> make_mode(const std::string& name, const Args& a) {
   if (name == "blocking") return std::make_unique<Blocking>(a.port, a.conc);
-  if (name == "multiplexed") return std::make_unique<Multiplexed>(a.port);
-  if (name == "async") return std::make_unique<Async>(a.port);
-  throw std::runtime_error("unknown mode '" + name + "' (blocking, multiplexed, async)");
+  if (name == "multiplexed") return std::make_unique<Multiplexed>(a.port, idem::RedisOptions{}.auto_batch);
+  if (name == "async") return std::make_unique<Async>(a.port, idem::RedisOptions{}.auto_batch);
+  // auto-batching off: one script call per step, as before it existed
+  if (name == "multiplexed-nobatch") return std::make_unique<Multiplexed>(a.port, 1);
+  if (name == "async-nobatch") return std::make_unique<Async>(a.port, 1);
+  throw std::runtime_error("unknown mode '" + name +
+                           "' (blocking, multiplexed, async, multiplexed-nobatch, async-nobatch)");
 }
 
 int run_seq = 0;

@@ -5,6 +5,7 @@
 // together, replies matched in order, lost ones resent once as the same holder.
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
@@ -50,7 +51,18 @@ struct Op {
   bool resent = false;        // this is the second sending
   IoFailure first;            // why the first sending was lost
   Clock::time_point deadline; // command_timeout from the write
+  // Auto-batching: a one-key step's place in `bytes` (its single-key EVALSHA), so the connection
+  // can send it inside one `many` call with other callers' steps. `step` is many.lua's name for it
+  // ("a5", "c4", ...), null when the request goes alone (inspect, the connection's own).
+  const char* step = nullptr;
+  std::uint32_t key_at = 0;      // the key's bulk string
+  std::uint32_t args_at = 0;     // the first argument's (they run to script_end)
+  std::uint32_t script_end = 0;  // the end of the EVALSHA (a WAIT may follow it)
 };
+
+// Marks `op` (its `bytes` the single-key EVALSHA of `s`, before any WAIT) as one that may be
+// coalesced; leaves it alone for a script many.lua does not take.
+void locate_step(Op& op, Script s);
 
 template <class T>
 using DonePtr = std::unique_ptr<Done<T>>;

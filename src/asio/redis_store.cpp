@@ -44,6 +44,7 @@ std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s
                             const std::string& wait) {
   auto op = std::make_unique<Call<T, Parse>>(std::move(done), std::move(parse));
   op->bytes.assign(cmd.format().view());
+  locate_step(*op, s);
   if (!wait.empty() && !reads_only(s)) {
     op->bytes += wait;
     op->waits = true;

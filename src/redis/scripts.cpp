@@ -36,6 +36,7 @@ constexpr std::array<std::pair<std::string_view, std::string_view>, script_count
     {"sequence_advance", redis_lua::sequence_advance},
     {"complete_advance", redis_lua::complete_advance},
     {"acquire_each", redis_lua::acquire_each},
+    {"many", redis_lua::many},
 }};
 
 }  // namespace
@@ -78,6 +79,7 @@ bool wrote(Script s, const redisReply* r) {
     case Script::acquire_batch:
     case Script::acquire_each: return any_element(r, first_is_one);
     case Script::complete_batch: return any_element(r, is_one);
+    case Script::many: return any_element(r, [](const redisReply* e) { return is_one(e) || first_is_one(e); });
     case Script::inspect: return false;
   }
   return true;  // not reached; a script not listed is taken as a write

@@ -19,8 +19,9 @@ enum class Script : std::size_t {
   sequence_advance,
   complete_advance,
   acquire_each,
+  many,  // different callers' one-key steps in one call (auto-batching)
 };
-inline constexpr std::size_t script_count = 10;
+inline constexpr std::size_t script_count = 11;
 
 struct ScriptInfo {
   std::string_view name;

@@ -31,6 +31,7 @@ struct AsyncRedisStats {
   std::uint64_t connects = 0;    ///< connections opened (the first, then one per reconnect)
   std::uint64_t resent = 0;      ///< requests whose reply was lost, sent again as the same holder
   std::uint64_t reloads = 0;     ///< NOSCRIPT answers that reloaded a script
+  std::uint64_t coalesced = 0;   ///< steps sent inside one script call with other callers' (auto-batching)
 };
 
 namespace detail::asio_redis {

@@ -1,6 +1,7 @@
 #pragma once
 /// @file redis/options.hpp RedisOptions, the settings of one RedisClient, and parse_redis_url.
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -103,6 +104,11 @@ struct RedisOptions {
   int min_replica_acks = 0;
   /// How long WAIT waits for min_replica_acks; > 0 and below command_timeout.
   millis replica_ack_timeout{500};
+  /// Auto-batching (AsyncRedisStore, for now): the most one-key steps (acquire, complete, fail,
+  /// extend) of different callers that go out as one script call when they queue behind a write in
+  /// flight; each caller gets the answer its own call would have had. A lone call goes out at once.
+  /// 1 = off (a script call per step); 1..1024 (docs/async.md, "Auto-batching").
+  std::size_t auto_batch = 128;
   /// Receives store advisories (on_warning); null = none.
   std::shared_ptr<Observer> observer;
 };

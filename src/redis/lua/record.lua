@@ -303,3 +303,37 @@ local function complete_key(key, fence, token, result, ret, unavailable)
   redis.call('SET', key, encode(r), 'PX', ret)
   return 1
 end
+
+-- Fail of one key by its holder (fail.lua; a coalesced call's 'f' entry). Reply: 1 written (or
+-- already written by this very request: see of_holder), 0 lease lost. A release keeps the record
+-- (as failed, retry at once) so the fence keeps growing across retries.
+local function fail_key(key, fence, token, err, release, permanent, backoff, ret)
+  local r = of_holder(key, fence, token)
+  if not r or r.st == 2 then return 0 end
+  -- Already failed by this holder with this error and permanence: this request asked again.
+  if r.st == 3 then
+    if r.pay == err and r.perm == (release ~= '1' and permanent == '1') then
+      touch(key)
+      return 1
+    end
+    return 0
+  end
+  local now = now_ms()
+  r.st, r.pay = 3, err
+  r.perm = release ~= '1' and permanent == '1'
+  if release == '1' then r.retry = now else r.retry = now + math.max(0, tonumber(backoff)) end
+  redis.call('SET', key, encode(r), 'PX', tonumber(ret))
+  return 1
+end
+
+-- Extend of one key by its live holder (extend.lua; a coalesced call's 'e' entry). Reply: 1
+-- written, 0 lease lost. The retention never ends before the new lease does.
+local function extend_key(key, fence, token, lease)
+  local r = held(key, fence, token)
+  if not r then return 0 end
+  lease = tonumber(lease)
+  r.lease = now_ms() + lease
+  local ttl = redis.call('PTTL', key)
+  redis.call('SET', key, encode(r), 'PX', math.max(ttl, lease))
+  return 1
+end
