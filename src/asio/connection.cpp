@@ -1,20 +1,28 @@
-// AsyncRedisStore's connection (connection.hpp): one socket on a strand. Requests queue while a
-// write is under way and then go out together; replies are read as they come, parsed by hiredis's
-// reader and matched in order to the requests in flight.
+// AsyncRedisStore's connection (connection.hpp): one socket on a strand, opened by the connection
+// factory every Redis entry point shares (Client::open_ready: TCP or Unix, TLS, AUTH, SELECT,
+// Sentinel). Requests queue while a write is under way and then go out together, one-key steps
+// coalesced; replies are read as they come, parsed by hiredis's reader and matched in order.
 
 #include "connection.hpp"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 #include <deque>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <boost/asio/generic/stream_protocol.hpp>
 #include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
@@ -24,6 +32,7 @@
 #include <hiredis/hiredis.h>
 
 #include "idem/core/error.hpp"
+#include "tls.hpp"
 
 namespace idem::detail::asio_redis {
 
@@ -36,7 +45,7 @@ struct ReaderFree {
 using ReaderPtr = std::unique_ptr<redisReader, ReaderFree>;
 }  // namespace
 
-// The connection's own requests (AUTH, SELECT, SCRIPT LOAD).
+// The connection's own requests (SCRIPT LOAD after NOSCRIPT).
 struct Internal final : Op {
   void finish(std::exception_ptr, ReplyPtr) noexcept override {}
 };
@@ -125,21 +134,32 @@ struct Group final : Op {
 
 class Connection : public std::enable_shared_from_this<Connection> {
 public:
-  Connection(net::any_io_executor ex, const RedisOptions& o)
-      : opt_(o),
-        strand_(net::make_strand(ex)),
-        socket_(strand_),
-        resolver_(strand_),
-        timer_(strand_),
-        where_(o.unix_socket.empty() ? describe({o.host, o.port}) : o.unix_socket) {}
+  Connection(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<const Client> factory)
+      : opt_(o), factory_(std::move(factory)), strand_(net::make_strand(ex)), socket_(strand_), timer_(strand_),
+        where_(factory_->where()) {}
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+  ~Connection() {
+    // The last reference can be dropped by the opening thread itself (its handler never ran).
+    if (opener_.joinable()) {
+      if (opener_.get_id() == std::this_thread::get_id()) opener_.detach();
+      else opener_.join();
+    }
+  }
 
   // Any thread: the op joins the queue on the strand.
   void submit(std::unique_ptr<Op> op) {
     net::post(strand_, [self = shared_from_this(), op = std::move(op)]() mutable { self->enqueue(std::move(op)); });
   }
 
-  // The store is going away: every pending call fails, the socket closes.
+  // The store is going away: a connection being opened is waited for (it posts to the strand),
+  // then every pending call fails and the socket closes.
   void shutdown() {
+    {
+      std::lock_guard lk(opener_mu_);
+      stopping_ = true;  // no opening starts after this one: its post could outlive the executor
+      if (opener_.joinable()) opener_.join();
+    }
     net::post(strand_, [self = shared_from_this()] {
       self->closed_ = true;
       auto e = capture([] { throw connection_error("idem: the AsyncRedisStore was destroyed with this call pending; "
@@ -155,7 +175,7 @@ public:
   }
 
 private:
-  enum class State { idle, connecting, handshaking, ready };
+  enum class State { idle, connecting, ready };
 
   void enqueue(std::unique_ptr<Op> op) {
     if (closed_) {
@@ -182,112 +202,91 @@ private:
 
   // --- connecting ---------------------------------------------------------------------------
 
+  // The one connection factory every Redis entry point uses (Client::open_ready: TLS and its
+  // checks, AUTH, SELECT, Sentinel discovery and the ROLE check) runs on a thread of its own, so
+  // the loop never blocks on a connect; the ready socket is then driven here. Connections are
+  // opened rarely (the first call, a reconnect), so a thread per opening costs nothing that counts.
   void connect() {
     state_ = State::connecting;
     ++generation_;
     ++connects_;
-    arm_connect_timer();
-    const auto gen = generation_;
-    if (!opt_.unix_socket.empty()) {
-      socket_.async_connect(net::generic::stream_protocol::endpoint(net::local::stream_protocol::endpoint(opt_.unix_socket)),
-                            [self = shared_from_this(), gen](boost::system::error_code ec) { self->connected(gen, ec); });
-      return;
+    std::lock_guard lk(opener_mu_);
+    if (stopping_) {
+      state_ = State::idle;
+      return fail_all(queued_, capture([] { throw usage_error("idem: this AsyncRedisStore is being destroyed"); }));
     }
-    resolver_.async_resolve(opt_.host, std::to_string(opt_.port),
-                            [self = shared_from_this(), gen](boost::system::error_code ec,
-                                                             net::ip::tcp::resolver::results_type rs) {
-                              if (gen != self->generation_) return;
-                              if (ec || rs.empty()) return self->connect_failed(ec ? ec.message() : "no address");
-                              self->socket_.async_connect(
-                                  net::generic::stream_protocol::endpoint(rs.begin()->endpoint()),
-                                  [self, gen](boost::system::error_code ec2) { self->connected(gen, ec2); });
-                            });
-  }
-
-  void arm_connect_timer() {
-    timer_.expires_after(opt_.connect_timeout);
-    timer_armed_ = true;
-    timer_.async_wait([self = shared_from_this(), gen = generation_](boost::system::error_code ec) {
-      if (ec || gen != self->generation_) return;
-      self->timer_armed_ = false;
-      if (self->state_ == State::connecting)
-        self->connect_failed(fmt::format("no connection within connect_timeout ({})", ms(self->opt_.connect_timeout)));
-      else
-        self->arm_timer();
+    if (opener_.joinable()) opener_.join();  // the previous opening posted its result already
+    // The thread touches no member: the store's destruction waits for it (shutdown), but a
+    // Connection kept alive by a queued handler must not be reached through `this` from here.
+    opener_ = std::thread([factory = factory_, strand = strand_, weak = weak_from_this(), gen = generation_] {
+      std::exception_ptr e;
+      auto link = std::make_shared<Link>();
+      try {
+        *link = factory->open_ready();
+      } catch (...) {
+        e = std::current_exception();
+      }
+      if (auto self = weak.lock())
+        net::post(strand, [self, gen, link, e] { self->connected(gen, std::move(*link), e); });
     });
   }
 
-  void connected(std::uint64_t gen, boost::system::error_code ec) {
+  void connected(std::uint64_t gen, Link link, std::exception_ptr e) {
     if (gen != generation_) return;
-    if (ec) return connect_failed(ec.message());
-    if (opt_.unix_socket.empty()) {
-      boost::system::error_code ignored;
-      socket_.set_option(net::ip::tcp::no_delay(true), ignored);
+    if (e) return connect_failed(e);
+    where_ = factory_->where();
+    const int fd = ::dup(link->fd);
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    boost::system::error_code ec;
+    if (fd < 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      if (fd >= 0) ::close(fd);
+      return connect_failed(capture([&] {
+        throw connection_error(fmt::format("idem: cannot take over the connection to Redis at {}: {}", where_,
+                                           std::strerror(errno)),
+                               "", true);
+      }));
     }
-    timer_.cancel();  // the connect timeout; the handshake's command_timeout is armed as it is sent
-    timer_armed_ = false;
+    const int family = addr.ss_family;
+    socket_.assign(net::generic::stream_protocol(family, family == AF_UNIX ? 0 : IPPROTO_TCP), fd, ec);
+    if (ec) {
+      ::close(fd);
+      return connect_failed(capture([&] {
+        throw connection_error(fmt::format("idem: cannot take over the connection to Redis at {}: {}", where_, ec.message()),
+                               "", true);
+      }));
+    }
+    if (family != AF_UNIX) socket_.set_option(net::ip::tcp::no_delay(true), ec);
+    link_ = std::move(link);
+    if (link_.tls) link_.tls->nonblocking_ = true;  // its reads and writes answer EAGAIN instead of waiting
     reader_.reset(redisReaderCreate());
     limit_aggregates(reader_.get());
-    state_ = State::handshaking;
-    // The handshake goes first, alone: a refused AUTH must not let any script run. The scripts
-    // are not loaded here: the construction check loaded them all, and a server that lost them
-    // (restart, SCRIPT FLUSH) answers NOSCRIPT, which loads the one it names and sends the call again.
-    Pipeline hello;
-    add_auth(hello, opt_.user, opt_.password);
-    if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
-    if (hello.size() == 0) {
-      state_ = State::ready;
-      write();
-      read();
-      return;
-    }
-    std::string bytes;
-    for (std::size_t i = 0; i < hello.size(); ++i) {
-      auto op = std::make_unique<Internal>();
-      op->internal = op->handshake = true;
-      op->what = "the connection handshake (AUTH/SELECT)";
-      op->deadline = Clock::now() + opt_.command_timeout;
-      bytes += hello[i];
-      inflight_.push_back(std::move(op));
-    }
-    handshake_left_ = hello.size();
-    send_bytes(std::move(bytes), hello.size());
+    state_ = State::ready;
+    write();
     read();
   }
 
-  void connect_failed(const std::string& why) {
+  // Nothing queued was written on this connection: a first sending never ran and fails with the
+  // factory's own error (a TLS check is not retryable, a server down is); a resend's first sending
+  // may have run, so its outcome stays unknown.
+  void connect_failed(const std::exception_ptr& e) {
     drop_socket();
     state_ = State::idle;
-    const std::string text = fmt::format("cannot connect to Redis at {}: {}", where_, why);
-    // Nothing queued was written on this connection: a first sending never ran; a resend's first
-    // sending may have, so its outcome stays unknown.
+    factory_->doubt_master();
+    std::string text = "no connection";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      text = x.what();
+    }
     auto queued = std::move(queued_);
     queued_.clear();
     for (auto& op : queued) {
       if (op->resent)
         op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, ""); }), nullptr);
-      else
-        op->finish(capture([&] {
-                     throw connection_error(fmt::format("idem: {}; is it running there? retry later", text), "", true);
-                   }),
-                   nullptr);
+      else if (!op->internal)
+        op->finish(e, nullptr);
     }
-  }
-
-  // A handshake reply: the first error fails the connection and everything queued with it.
-  void handshake_reply(const redisReply* r, const std::string& what) {
-    if (is_error(r) && !handshake_error_)
-      handshake_error_ = capture([&] { throw_reply_error(reply_text(r), what, store_hints); });
-    if (--handshake_left_ > 0) return;
-    if (handshake_error_) {
-      auto e = std::exchange(handshake_error_, nullptr);
-      drop_socket();
-      state_ = State::idle;
-      fail_all(queued_, e);
-      return;
-    }
-    state_ = State::ready;
-    write();
   }
 
   // --- writing and reading ------------------------------------------------------------------
@@ -365,20 +364,54 @@ private:
     ++writes_;
     writing_ = true;
     wbuf_ = std::move(bytes);
+    wdone_ = 0;
     if (!timer_armed_) arm_timer();
+    if (link_.tls) return write_tls(generation_);
     net::async_write(socket_, net::buffer(wbuf_),
                      [self = shared_from_this(), gen = generation_](boost::system::error_code ec, std::size_t) {
                        if (gen != self->generation_) return;
-                       self->writing_ = false;
-                       if (ec)
-                         return self->broken({fmt::format("connection to Redis at {} broke while sending: {}",
-                                                          self->where_, ec.message()),
-                                              false});
-                       self->write();
+                       if (ec) return self->send_failed(ec.message());
+                       self->written();
                      });
   }
 
+  // TLS: the session writes whole records until the socket would block, then waits until it can
+  // write again (OpenSSL wants the same remaining bytes at the same address, which wbuf_ keeps).
+  void write_tls(std::uint64_t gen) {
+    wdone_ += link_.tls->write(std::string_view(wbuf_).substr(wdone_));
+    if (wdone_ == wbuf_.size()) return written();
+    if (errno != EAGAIN) return send_failed(tls_failure());
+    socket_.async_wait(net::socket_base::wait_write, [self = shared_from_this(), gen](boost::system::error_code ec) {
+      if (gen != self->generation_) return;
+      if (ec) return self->send_failed(ec.message());
+      self->write_tls(gen);
+    });
+  }
+
+  void written() {
+    writing_ = false;
+    write();
+  }
+
+  void send_failed(const std::string& why) {
+    broken({fmt::format("connection to Redis at {} broke while sending: {}", where_, why), false});
+  }
+
+  std::string tls_failure() const {
+    const TlsSession& s = *link_.tls;
+    return s.failure().empty() ? std::string(errno == 0 ? "the server closed it" : std::strerror(errno)) : s.failure();
+  }
+
   void read() {
+    if (link_.tls) {
+      socket_.async_wait(net::socket_base::wait_read, [self = shared_from_this(), gen = generation_](
+                                                          boost::system::error_code ec) {
+        if (gen != self->generation_) return;
+        if (ec) return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, ec.message()), false});
+        self->read_tls();
+      });
+      return;
+    }
     socket_.async_read_some(net::buffer(rbuf_), [self = shared_from_this(), gen = generation_](
                                                      boost::system::error_code ec, std::size_t n) {
       if (gen != self->generation_) return;
@@ -386,23 +419,49 @@ private:
         const std::string why = ec == net::error::eof ? "the server closed it" : ec.message();
         return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, why), false});
       }
-      self->received(n);
+      if (!self->received(n)) return;
+      self->write();
+      self->read();
     });
   }
 
-  void received(std::size_t n) {
+  // TLS: everything the session has decrypted (it may hold more than the socket shows), then wait.
+  void read_tls() {
+    for (;;) {
+      const long n = link_.tls->read(rbuf_.data(), rbuf_.size());
+      if (n > 0) {
+        if (!received(static_cast<std::size_t>(n))) return;
+        continue;
+      }
+      if (n < 0 && errno == EAGAIN && !link_.tls->refused()) break;
+      return broken({fmt::format("connection to Redis at {} broke: {}", where_, n == 0 ? "the server closed it" : tls_failure()),
+                     false});
+    }
+    write();
+    read();
+  }
+
+  // Feeds n bytes to the reader and delivers every whole reply; false when that broke the connection.
+  bool received(std::size_t n) {
     const auto gen = generation_;
-    if (redisReaderFeed(reader_.get(), rbuf_.data(), n) != REDIS_OK)
-      return broken({fmt::format("Redis at {} sent bytes that are not RESP", where_), false});
+    if (redisReaderFeed(reader_.get(), rbuf_.data(), n) != REDIS_OK) {
+      broken({fmt::format("Redis at {} sent bytes that are not RESP", where_), false});
+      return false;
+    }
     for (;;) {
       void* raw = nullptr;
-      if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK)
-        return broken({fmt::format("Redis at {} sent a reply that is not RESP: {}", where_,
-                                   reader_error(reader_->err, reader_->errstr)),
-                       false});
-      if (raw == nullptr) break;
+      if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK) {
+        broken({fmt::format("Redis at {} sent a reply that is not RESP: {}", where_,
+                            reader_error(reader_->err, reader_->errstr)),
+                false});
+        return false;
+      }
+      if (raw == nullptr) return true;
       ReplyPtr reply(static_cast<redisReply*>(raw));
-      if (inflight_.empty()) return broken({fmt::format("Redis at {} sent a reply to no request", where_), false});
+      if (inflight_.empty()) {
+        broken({fmt::format("Redis at {} sent a reply to no request", where_), false});
+        return false;
+      }
       Op& front = *inflight_.front();
       if (front.waits && !front.script_reply) {  // the script's reply; its WAIT's comes next
         front.script_reply = std::move(reply);
@@ -423,14 +482,11 @@ private:
         }
       }
       deliver(std::move(op), std::move(reply));
-      if (gen != generation_) return;  // the delivery broke the connection (a failed handshake)
+      if (gen != generation_) return false;  // the delivery broke the connection (a replica answered)
     }
-    write();
-    read();
   }
 
   void deliver(std::unique_ptr<Op> op, ReplyPtr reply) {
-    if (op->handshake) return handshake_reply(reply.get(), op->what);
     if (op->internal) return;  // a reload: the request sent after it answers for both
     if (is_noscript(reply.get()) && !op->reloaded) {
       // SCRIPT FLUSH or a restart under us: the call ran nothing. SCRIPT LOAD goes first in the
@@ -445,12 +501,28 @@ private:
       queued_.push_front(std::move(load));
       return;
     }
+    if (!opt_.sentinels.empty() && is_not_master(reply.get())) {
+      // A master demoted under us (Sentinel): the call ran nothing there. It goes first on the
+      // next connection, which asks the sentinels again; what was behind it is in doubt as on
+      // any broken connection.
+      op->script_reply.reset();
+      queued_.push_front(std::move(op));
+      return broken({fmt::format("Redis at {} answered {} (not the master now)", where_,
+                                 error_code(reply_text(reply.get()))),
+                     false});
+    }
     if (op->resent && is_error(reply.get())) {
       const std::string text(reply_text(reply.get()));
       return op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, std::string(error_code(text))); }),
                         nullptr);
     }
     op->finish(nullptr, std::move(reply));
+  }
+
+  static bool is_not_master(const redisReply* r) {
+    if (!is_error(r)) return false;
+    const std::string_view code = error_code(reply_text(r));
+    return code == "READONLY" || code == "LOADING" || code == "MASTERDOWN";
   }
 
   // min_replica_acks: a reply that changed a record counts only once enough replicas have it (the
@@ -485,11 +557,9 @@ private:
   void broken(IoFailure f) {
     drop_socket();
     state_ = State::idle;
+    factory_->doubt_master();
     auto doubt = std::move(inflight_);
     inflight_.clear();
-    const bool handshake = handshake_left_ > 0;
-    handshake_left_ = 0;
-    handshake_error_ = nullptr;
     for (auto it = doubt.rbegin(); it != doubt.rend(); ++it) {
       std::unique_ptr<Op>& op = *it;
       if (op->internal) continue;
@@ -505,9 +575,6 @@ private:
         op->finish(capture([&] { throw_io_error(f, true); }), nullptr);
       }
     }
-    // A connection lost during its handshake is not retried at once (no loop against a server
-    // that accepts and then drops connections): what waits for it fails, retryable.
-    if (handshake) return connect_failed(f.text);
     if (!queued_.empty() && !closed_) connect();
   }
 
@@ -515,11 +582,11 @@ private:
     ++generation_;  // every callback of the old socket now returns at once
     boost::system::error_code ignored;
     socket_.close(ignored);
-    resolver_.cancel();
     timer_.cancel();
     timer_armed_ = false;
     writing_ = false;
     reader_.reset();
+    link_ = Link{};
   }
 
   static void fail_all(std::deque<std::unique_ptr<Op>>& ops, const std::exception_ptr& e) {
@@ -530,29 +597,33 @@ private:
   }
 
   RedisOptions opt_;
+  std::shared_ptr<const Client> factory_;
   net::strand<net::any_io_executor> strand_;
-  net::generic::stream_protocol::socket socket_;
-  net::ip::tcp::resolver resolver_;
+  net::generic::stream_protocol::socket socket_;  // a dup of link_'s socket, for the loop's waits and plain I/O
   net::steady_timer timer_;
   std::string where_;
+  Link link_;  // the connection the factory opened (its TLS session, if any); owns the socket
+  std::mutex opener_mu_;
+  std::thread opener_;  // the factory's connect, off the loop
+  bool stopping_ = false;  // under opener_mu_: the store is being destroyed
   State state_ = State::idle;
   std::uint64_t generation_ = 0;
   bool writing_ = false;
   bool timer_armed_ = false;
   bool closed_ = false;
   bool write_posted_ = false;
-  std::size_t handshake_left_ = 0;
-  std::exception_ptr handshake_error_;
   std::deque<std::unique_ptr<Op>> queued_;    // not written yet, in order
   std::deque<std::unique_ptr<Op>> inflight_;  // written, waiting for their replies, in order
   std::string wbuf_;
+  std::size_t wdone_ = 0;  // TLS: bytes of wbuf_ written so far
   std::array<char, 64 * 1024> rbuf_{};
   ReaderPtr reader_;
   std::atomic<std::uint64_t> requests_{0}, writes_{0}, connects_{0}, resent_{0}, reloads_{0}, coalesced_{0};
 };
 
-std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const RedisOptions& o) {
-  return std::make_shared<Connection>(std::move(ex), o);
+std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const RedisOptions& o,
+                                            std::shared_ptr<const Client> factory) {
+  return std::make_shared<Connection>(std::move(ex), o, std::move(factory));
 }
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
 void shutdown(Connection& c) { c.shutdown(); }

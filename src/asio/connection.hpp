@@ -43,8 +43,7 @@ struct Op {
   std::string what;           // "acquire of key 'k'", for messages
   Script script = Script::acquire;
   bool same_holder = true;    // a lost reply is asked again once as the same holder (not inspect)
-  bool internal = false;      // the connection's own (handshake, script reload): never a caller's
-  bool handshake = false;     // AUTH/SELECT/SCRIPT LOAD of a new connection: an error reply fails it
+  bool internal = false;      // the connection's own (a script reload): never a caller's
   bool reloaded = false;      // sent again after NOSCRIPT once already
   bool waits = false;         // a WAIT follows the script in `bytes` (min_replica_acks): two replies
   ReplyPtr script_reply;      // with `waits`, the script's reply while the WAIT's is awaited
@@ -90,8 +89,10 @@ struct Call final : Op {
 
 class Connection;
 
-// A connection to the server of `o` on a strand of `ex`; it connects on the first request.
-std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, const RedisOptions& o);
+// A connection to the server of `o` on a strand of `ex`, opened through `factory` (the blocking
+// client's connection factory) on the first request and after each break.
+std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, const RedisOptions& o,
+                                            std::shared_ptr<const Client> factory);
 // Queues `op` (any thread); its finish() runs on the connection's strand.
 void submit(Connection& c, std::unique_ptr<Op> op);
 // Fails every pending request and closes the socket (the store is going away).

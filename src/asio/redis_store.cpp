@@ -20,23 +20,23 @@ namespace {
 
 RedisOptions checked(RedisOptions o) {
   o = resolve_options(std::move(o));
-  auto refuse = [](const char* what) {
+  if (!o.cluster_nodes.empty())
     throw invalid_options_error(
-        fmt::format("idem: AsyncRedisStore does not support {} yet; use RedisStore (blocking) for it", what));
-  };
-  if (!o.cluster_nodes.empty()) refuse("Redis Cluster (redis-cluster://, RedisOptions::cluster_nodes)");
-  if (!o.sentinels.empty()) refuse("Sentinel (redis-sentinel://, RedisOptions::sentinels)");
-  if (o.tls.enabled) refuse("TLS (rediss://, RedisOptions::tls)");
+        "idem: AsyncRedisStore does not support Redis Cluster (redis-cluster://, RedisOptions::cluster_nodes) yet; "
+        "use RedisStore (blocking) for it");
   return o;
 }
 
-// The connection check RedisStore makes at construction, on a short-lived blocking client.
-StoreLimits check_once(const RedisOptions& o) {
+// The blocking client whose connection factory opens the store's connection (TLS, AUTH, SELECT,
+// Sentinel discovery and ROLE check: the same code as RedisStore's). Its constructor makes the
+// connection check RedisStore makes, and check_server reads the limits.
+std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits) {
   RedisOptions one = o;
   one.url.clear();
   one.pool.size = 1;
-  Client client(std::move(one));
-  return check_server(client);
+  auto client = std::make_shared<Client>(std::move(one));
+  limits = check_server(*client);
+  return client;
 }
 
 template <class T, class Parse>
@@ -73,8 +73,7 @@ using detail::redis::Script;
 
 AsyncRedisStore::AsyncRedisStore(executor_type ex, RedisOptions options)
     : ex_(std::move(ex)), options_(detail::asio_redis::checked(std::move(options))),
-      limits_(detail::asio_redis::check_once(options_)),
-      conn_(detail::asio_redis::make_connection(ex_, options_)) {
+      conn_(detail::asio_redis::make_connection(ex_, options_, detail::asio_redis::factory_of(options_, limits_))) {
   if (options_.min_replica_acks > 0)
     wait_.assign(Command().arg("WAIT").arg(options_.min_replica_acks).arg(options_.replica_ack_timeout.count()).format().view());
 }

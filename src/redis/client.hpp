@@ -199,6 +199,15 @@ public:
   // went out is sent then, so finish() answers every request or throws. One thread.
   class Stream;
 
+  // The connection factory for a caller that drives the socket itself (AsyncRedisStore): a new
+  // connection with the handshake done (TLS, AUTH, SELECT; in Sentinel mode to the master the
+  // sentinels name now, its ROLE checked), or the error a pooled connection would have raised.
+  // Blocking, bounded by connect_timeout per server tried; not in cluster mode.
+  Link open_ready() const { return connect().link; }
+  // The caller's connection broke or a server answered as a replica: in Sentinel mode, the next
+  // open_ready() asks the sentinels again.
+  void doubt_master() const noexcept { suspect(); }
+
 private:
   // A pooled connection and the pool generation it belongs to: a new master (Sentinel) or a
   // reason to doubt the current one starts a new generation, and older connections are closed.

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <boost/asio/io_context.hpp>
+#include <fmt/core.h>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_future.hpp>
 
@@ -222,11 +223,25 @@ TEST_CASE("AsyncRedisStore: bad configuration is refused at construction", "[asi
   IoThread io;
   CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "redis-cluster://127.0.0.1:7000"}),
                   idem::invalid_options_error);
+  // Sentinel and TLS go through RedisStore's connection factory: no sentinel answering is a
+  // retryable connection_error; rediss:// at a plain-text port is a TLS error no retry can help.
   idem::RedisOptions sentinel;
-  sentinel.url = "redis-sentinel://127.0.0.1:26379/mymaster";
-  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), sentinel), idem::invalid_options_error);
-  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "rediss://127.0.0.1:6379"}),
-                  idem::invalid_options_error);
+  sentinel.url = fmt::format("redis-sentinel://127.0.0.1:{}/mymaster", idem::test::free_port());
+  sentinel.connect_timeout = 300ms;
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), sentinel), idem::connection_error);
+  {
+    idem::test::RedisServer plain;
+    idem::RedisOptions tls;
+    tls.url = fmt::format("rediss://127.0.0.1:{}", plain.port());
+    tls.connect_timeout = 500ms;
+    try {
+      idem::AsyncRedisStore s(io.io.get_executor(), tls);
+      FAIL("rediss:// to a plain-text port was accepted");
+    } catch (const idem::connection_error& e) {
+      CHECK(e.code() == "TLS");
+      CHECK_FALSE(e.retryable());
+    }
+  }
   idem::RedisOptions nowhere;
   nowhere.port = idem::test::free_port();
   CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), nowhere), idem::connection_error);

@@ -1,11 +1,14 @@
 // AsyncRedisStore under lost replies: the suite RedisStore runs too (support/lost_reply_suite.hpp).
 // The fixture first makes one call so the store's one connection (and its handshake) is up: the
-// proxy's next reply is then the call under test.
+// proxy's next reply is then the call under test. Then a Sentinel failover under the async face.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <string>
+#include <thread>
 
 #include "asio_factory.hpp"
+#include "redis_topology.hpp"
 #include "support/lost_reply_suite.hpp"
 #include "support/tcp_proxy.hpp"
 
@@ -33,3 +36,46 @@ struct Proxied {
 }  // namespace
 
 IDEM_LOST_REPLY_SUITE(Proxied, "async", "[asio]")
+
+// Sentinel on the async face: the connection factory asks the sentinels for the master (and checks
+// its ROLE); a broken connection or a READONLY answer makes the next connection ask again.
+TEST_CASE("AsyncRedisStore: built from a redis-sentinel URL, it follows a failover", "[asio][failover][sentinel]") {
+  idem::test::SentinelTopology topo;
+  IoThread io;
+  idem::RedisOptions o;
+  o.url = topo.url();
+  o.connect_timeout = 500ms;
+  o.command_timeout = 1s;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  idem::IdempotencyGuard guard{store, {.lease = 30s, .retention = 60s}};
+  const std::string ns = "asentinel-" + idem::test::random_hex() + ":";
+  std::atomic<int> runs{0};
+  REQUIRE(io.run(guard.run_async(ns + "before", "", [&] { return ++runs; })).status == idem::Status::executed);
+
+  topo.kill_master();
+  // A call is bounded by two command timeouts (a lost reply asked again) and a connect per
+  // sentinel and master tried.
+  const auto bound = 2 * o.command_timeout + 4 * o.connect_timeout + 1s;
+  int calls = 0;
+  for (bool done = false; !done;) {
+    REQUIRE(calls < 300);
+    ++calls;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      const auto out = io.run(guard.run_async(ns + "during", "", [&] { return ++runs; }));
+      CHECK(out.status == idem::Status::executed);
+      done = true;
+    } catch (const idem::error& e) {
+      INFO(e.what());
+      CHECK(e.retryable());
+    }
+    CHECK(std::chrono::steady_clock::now() - t0 <= bound);
+    if (!done) std::this_thread::sleep_for(50ms);
+  }
+  topo.wait_promoted();
+  CHECK(runs == 2);
+  CHECK(store.stats().connects >= 2);
+  CHECK(io.run(guard.run_async(ns + "after", "", [&] { return ++runs; })).status == idem::Status::executed);
+  CHECK(guard.run(ns + "during", [&] { return ++runs; }).status == idem::Status::duplicate);
+  CHECK(runs == 3);
+}

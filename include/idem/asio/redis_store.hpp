@@ -86,11 +86,14 @@ class Connection;
  * behind a late one waits for it): every request on it is then in doubt and handled as above.
  * NOSCRIPT reloads the script and sends the request again. Errors are idem's typed errors.
  *
- * The constructor connects once with a blocking RedisClient to check the address, credentials
- * and settings exactly as RedisStore does (an evicting maxmemory-policy is refused), then opens
- * the multiplexed connection on first use. With min_replica_acks each write carries its WAIT in the
- * same write, as RedisStore's do (durability_error when too few replicas have it). Sentinel and
- * Cluster are refused (invalid_options_error): use RedisStore for those.
+ * Connections are opened by the connection factory RedisStore uses (TCP or a Unix socket, TLS and
+ * mutual TLS with hostname verification, AUTH, SELECT; with Sentinel the master the sentinels name,
+ * its ROLE checked, and asked again after a break or a READONLY answer), on a thread of its own so
+ * the loop never blocks, then driven by the loop. The constructor connects once to check the
+ * address, credentials and settings exactly as RedisStore does (an evicting maxmemory-policy is
+ * refused). With min_replica_acks each write carries its WAIT in the same write, as RedisStore's
+ * do (durability_error when too few replicas have it). Redis Cluster is refused
+ * (invalid_options_error): use RedisStore for it.
  *
  * @code
  * boost::asio::io_context io;
