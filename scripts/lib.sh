@@ -45,5 +45,11 @@ core_packages=(cmake ninja-build g++ pkg-config libssl-dev libfmt-dev)
 all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev redis-server redis-tools
               openssl postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps
               prometheus-cpp-dev libcli11-dev libboost-dev)
+# The package tests (tests/package): make builds the pkg-config consumer; cpack's DEB generator
+# reads the tools' runtime dependencies with dpkg-shlibdeps (dpkg-dev); dpkg-deb comes with dpkg.
+all_packages+=(make dpkg-dev)
 # The model check (tests/proof, docs/proof.md) and the fuzz targets (tests/fuzz, clang's libFuzzer).
 all_packages+=(spin clang libclang-rt-14-dev)
+# The API reference (docs/CMakeLists.txt: `--target docs`) and the operations kit's checks
+# (tests/prometheus: promtool and a real prometheus server against docs/operations/).
+all_packages+=(doxygen prometheus)

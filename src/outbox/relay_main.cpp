@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include "idem/core/version.hpp"
 #include "idem/outbox/redis_streams_publisher.hpp"
 #include "idem/outbox/relay.hpp"
 
@@ -33,6 +34,7 @@ const char* const help =
     "  --retention-ms N      keep sent rows N ms before purging them (default 86400000; 0 = delete at once)\n"
     "  --once                publish what is due, once, and exit (status 0 when that succeeded)\n"
     "  --help                this text\n"
+    "  --version             print \"idem-outbox-relay X.Y.Z\" (the idem version) and exit\n"
     "\n"
     "Any number of relays may run against one outbox: rows are claimed with FOR UPDATE SKIP LOCKED,\n"
     "per-message_key order is kept, and a relay killed mid-batch leaves its rows to be published\n"
@@ -60,6 +62,10 @@ int main(int argc, char** argv) try {
     const std::string k = argv[i];
     if (k == "--help" || k == "-h") {
       std::fputs(help, stdout);
+      return 0;
+    }
+    if (k == "--version") {
+      fmt::print("idem-outbox-relay {}\n", idem::version_string);
       return 0;
     }
     if (k == "--once") {

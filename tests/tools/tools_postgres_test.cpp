@@ -132,6 +132,44 @@ TEST_CASE("inspect, list, stats, release and purge on a PostgreSQL table") {
   CHECK_FALSE(t.store.inspect("order-1") == std::nullopt);
 }
 
+TEST_CASE("a PostgreSQL URL as the command's argument, with --url or from IDEM_URL") {
+  Table t;
+  auto done = t.store.acquire("order-1", pgtest::ap(1));
+  REQUIRE(t.store.complete("order-1", done.holder, "receipt-42", 1h) == idem::WriteStatus::ok);
+  const std::string u = url_of(t.conninfo);
+  const std::vector<std::string> where{"--schema", "idem_tools", "--table", t.name};
+  auto with = [&](std::vector<std::string> a) {
+    a.insert(a.end(), where.begin(), where.end());
+    return a;
+  };
+  ::unsetenv("IDEM_URL");
+  auto r = run_tool(with({"inspect", u, "order-1"}));
+  INFO(r.out);
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "key          order-1\nstate        completed\n"));
+  r = run_tool(with({"stats", u}));
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "records      1\n"));
+  r = run_tool(with({"list", u, "--json"}));
+  CHECK(r.status == 0);
+  CHECK(r.lines == 1);
+  r = run_tool(with({"purge", u}));
+  CHECK(r.status == 0);
+  r = run_tool(with({"doctor", u}));
+  CHECK(contains(r.out, "[ok]      schema: schema version 2"));
+  r = run_tool(with({"release", u, "order-1", "--fence", "1", "--yes"}));
+  CHECK(r.status == 1);
+  CHECK(contains(r.out, "never released"));
+  r = run_tool(with({"stats", u, "--url", "postgres://someone@127.0.0.1:1/other"}));
+  CHECK(r.status == 2);
+  CHECK(contains(r.out, "two different stores given"));
+  ::setenv("IDEM_URL", u.c_str(), 1);
+  r = run_tool(with({"stats"}));
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "records      1\n"));
+  ::unsetenv("IDEM_URL");
+}
+
 TEST_CASE("doctor flags the fast fixture, passes a durable server, and names a missing table") {
   {
     Table t;

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
@@ -191,8 +192,10 @@ TEST_CASE("missing ACL permissions, bad URLs and unreachable servers are clear e
   r = run_tool({"inspect", "k", "--url", "redis://wrong:pw@127.0.0.1:" + std::to_string(server.port())});
   CHECK(r.status == 3);
   CHECK(contains(r.out, "authentication"));
-  r = run_tool({"stats", "--url", "rediss://127.0.0.1:6379"});
-  CHECK(r.status == 2);
+  // rediss:// is a store URL the tool opens (TLS): nothing listening is "cannot connect", not a bad URL.
+  r = run_tool({"stats", "--url", "rediss://127.0.0.1:" + std::to_string(idem::test::free_port())});
+  CHECK(r.status == 3);
+  CHECK(contains(r.out, "cannot connect"));
   r = run_tool({"stats", "--url", "redis://127.0.0.1:notaport"});
   CHECK(r.status == 2);
   r = run_tool({"stats", "--url", "mysql://x"});
@@ -206,12 +209,100 @@ TEST_CASE("missing ACL permissions, bad URLs and unreachable servers are clear e
   CHECK(contains(r.out, "cannot connect"));
   r = run_tool({"--help"});
   CHECK(r.status == 0);
-  for (const char* cmd : {"inspect", "list", "release", "purge", "stats", "doctor"}) {
+  for (const char* cmd : {"inspect", "list", "release", "purge", "stats", "doctor", "conformance"}) {
     CHECK(contains(r.out, cmd));
     auto h = run_tool({cmd, "--help"});
     CHECK(h.status == 0);
     CHECK(contains(h.out, "--url"));
+    CHECK(contains(h.out, "The store: a URL argument, --url/-u or the IDEM_URL environment variable"));
   }
+}
+
+TEST_CASE("every command takes the store as an argument, with --url or from IDEM_URL") {
+  RedisServer server(good_config());
+  idem::RedisStore store{server.options()};
+  auto done = store.acquire("order-1", params(1));
+  REQUIRE(store.complete("order-1", done.holder, "receipt-42", 1h) == idem::WriteStatus::ok);
+  REQUIRE(store.acquire("stuck", params(2, 50ms)).status == idem::AcquireStatus::acquired);
+  std::this_thread::sleep_for(100ms);
+  const std::string u = url(server);
+  const std::string elsewhere = "redis://127.0.0.1:" + std::to_string(idem::test::free_port());
+  ::unsetenv("IDEM_URL");
+
+  // The URL as the first argument, for every command.
+  auto r = run_tool({"inspect", u, "order-1"});
+  INFO(r.out);
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "key          order-1\nstate        completed\n"));
+  r = run_tool({"list", u, "--json"});
+  CHECK(r.status == 0);
+  CHECK(r.lines == 2);
+  r = run_tool({"stats", u});
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "records      2\n"));
+  r = run_tool({"doctor", u});
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "[ok]      maxmemory-policy: noeviction"));
+  r = run_tool({"purge", u});
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "nothing to purge"));
+  r = run_tool({"release", u, "stuck", "--fence", "1", "--yes"});
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "released 'stuck' (fence 1, was in_progress)"));
+  // The argument and --url may both be given when they agree.
+  r = run_tool({"stats", u, "--url", u});
+  CHECK(r.status == 0);
+  r = run_tool({"inspect", "-u", u, u, "order-1"});
+  CHECK(r.status == 0);
+
+  // Two different stores: a usage error naming both, whatever the command; nothing is opened.
+  for (std::vector<std::string> args : std::vector<std::vector<std::string>>{
+           {"stats", u, "--url", elsewhere},
+           {"doctor", elsewhere, "-u", u},
+           {"list", u, "--url", elsewhere},
+           {"purge", u, "--url", elsewhere},
+           {"inspect", u, "order-1", "--url", elsewhere},
+           {"release", u, "stuck", "--fence", "2", "--yes", "--url", elsewhere},
+           {"conformance", u, "--url", elsewhere}}) {
+    r = run_tool(args);
+    INFO(args.front() << ": " << r.out);
+    CHECK(r.status == 2);
+    CHECK(contains(r.out, "two different stores given: '"));
+    CHECK(contains(r.out, "' (argument) and '"));
+    CHECK(contains(r.out, "' (--url); give one"));
+  }
+
+  // Keys: the URL argument is taken only in front; a key that looks like a URL follows it.
+  r = run_tool({"inspect", u});
+  CHECK(r.status == 2);
+  CHECK(contains(r.out, "no key given"));
+  r = run_tool({"inspect", u, "redis://not-a-store"});
+  CHECK(r.status == 1);
+  CHECK(contains(r.out, "key 'redis://not-a-store' not found"));
+  r = run_tool({"release", u, "--fence", "1", "--yes"});
+  CHECK(r.status == 2);
+  CHECK(contains(r.out, "no key given"));
+  r = run_tool({"release", u, "a", "b", "--fence", "1", "--yes"});
+  CHECK(r.status == 2);
+  r = run_tool({"stats", u, "extra"});
+  CHECK(r.status == 2);
+
+  // IDEM_URL when neither is given; an argument or --url overrides it.
+  ::setenv("IDEM_URL", u.c_str(), 1);
+  r = run_tool({"stats"});
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "records      2\n"));
+  r = run_tool({"inspect", "order-1"});
+  CHECK(r.status == 0);
+  ::setenv("IDEM_URL", elsewhere.c_str(), 1);
+  r = run_tool({"stats", u});
+  CHECK(r.status == 0);
+  r = run_tool({"inspect", "order-1", "--url", u});
+  CHECK(r.status == 0);
+  r = run_tool({"stats"});
+  CHECK(r.status == 3);
+  CHECK(contains(r.out, "cannot connect"));
+  ::unsetenv("IDEM_URL");
 }
 
 TEST_CASE("list streams many records page by page") {

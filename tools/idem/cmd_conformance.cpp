@@ -346,8 +346,8 @@ int report(const std::vector<Row>& rows, const std::string& where, const std::st
   return failed ? idem::tool::exit_refused : idem::tool::exit_ok;
 }
 
-int run_redis(const idem::tool::Globals& g, idem::millis lease, bool json) {
-  idem::RedisOptions o = idem::parse_redis_url(g.url);
+int run_redis(const std::string& url, const idem::tool::Globals& g, idem::millis lease, bool json) {
+  idem::RedisOptions o = idem::parse_redis_url(url);
   const std::string prefix = g.prefix + "conformance-" + random_hex(16) + ":";
   o.key_prefix = prefix;
   o.connect_timeout = 3000ms;
@@ -384,21 +384,21 @@ int run_redis(const idem::tool::Globals& g, idem::millis lease, bool json) {
   return report(rows, where, fmt::format("keys under {} (deleted at the end)", prefix), cleanup, ms, json);
 }
 
-int run_postgres(const idem::tool::Globals& g, idem::millis lease, bool json) {
+int run_postgres(const std::string& url, const idem::tool::Globals& g, idem::millis lease, bool json) {
   const std::string table = "idem_conformance_" + random_hex(12);
   idem::PostgresStoreOptions so;
   so.schema = g.schema;
   so.table = table;
   so.auto_migrate = false;
   idem::PostgresOptions po;
-  po.conninfo = g.url;
+  po.conninfo = url;
   po.pool.size = 8;
   // The name goes into this run's own SQL before the store checks it.
   for (char ch : g.schema)
     if (!((ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_') || g.schema.size() > 63)
       throw idem::invalid_options_error(fmt::format("idem: --schema '{}' is not [a-z_][a-z0-9_]*", g.schema));
   const auto t0 = Clock::now();
-  Pg admin(g.url);
+  Pg admin(url);
   if (!admin.ok()) throw idem::connection_error(fmt::format("idem: cannot connect: {}", PQerrorMessage(admin.c)));
   // The schema is dropped at the end only if it did not exist before this run.
   int existed = 0;
@@ -454,7 +454,6 @@ void register_conformance(CLI::App& app, idem::tool::Globals& g) {
       "Run idem's store contract suite against the server at URL, non-destructively (its own key prefix "
       "or table, removed at the end), and print one row per case: PASS, or FAIL with the first failed "
       "expectation and a hint (a proxy without EVALSHA, an ACL without TIME, ...). Exit 0 only if all pass.");
-  sub->add_option("url", g.url, "the store URL (same as --url)");
   sub->add_option("--lease", *lease, "the short lease of the expiry and takeover cases (each waits 1-2 of them); "
                                      "raise it for a server far away")
       ->capture_default_str();
@@ -463,13 +462,9 @@ void register_conformance(CLI::App& app, idem::tool::Globals& g) {
     idem::tool::guarded(g, [&] {
       const idem::millis l = idem::tool::parse_duration(*lease);
       if (l < 50ms) throw CLI::ValidationError("--lease", "at least 50ms");
-      if (g.url.empty())
-        throw idem::invalid_options_error("idem: no store given: pass a URL (redis://, postgresql://) or set IDEM_URL");
-      auto starts = [&](std::string_view p) { return std::string_view(g.url).substr(0, p.size()) == p; };
-      if (starts("postgresql://") || starts("postgres://")) return run_postgres(g, l, *json);
-      if (starts("redis://") || starts("rediss://") || starts("redis-cluster://") || starts("redis-sentinel://") ||
-          starts("unix://"))
-        return run_redis(g, l, *json);
+      const std::string url = idem::tool::store_url(g);
+      if (idem::tool::is_postgres_url(url)) return run_postgres(url, g, l, *json);
+      if (idem::tool::is_store_url(url)) return run_redis(url, g, l, *json);
       throw idem::invalid_options_error("idem: unsupported store URL: use redis://, redis-cluster://, redis-sentinel:// or postgresql://");
     });
   });

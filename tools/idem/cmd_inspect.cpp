@@ -1,8 +1,9 @@
-// idem inspect KEY...: each record as the store holds it, with its lease on the store clock.
+// idem inspect [URL] KEY...: each record as the store holds it, with its lease on the store clock.
 
 #include <iostream>
 
 #include "common.hpp"
+#include "idem/core/error.hpp"
 
 void register_inspect(CLI::App& app, idem::tool::Globals& g) {
   struct Opts {
@@ -12,11 +13,18 @@ void register_inspect(CLI::App& app, idem::tool::Globals& g) {
   auto o = std::make_shared<Opts>();
   CLI::App* sub = idem::tool::subcommand(app, g, "inspect",
                                          "Show keys' records: state, fence, owner, lease left on the store clock, "
-                                         "attempts, result size, expiry. Exit 1 if a key is not found.");
-  sub->add_option("keys", o->keys, "idempotency keys (without the Redis prefix)")->required();
+                                         "attempts, result size, expiry. Exit 1 if a key is not found.",
+                                         false);
+  sub->add_option("keys", o->keys,
+                  "[URL] KEY...: the store URL (optional: else --url or IDEM_URL), then the idempotency keys "
+                  "(without the Redis prefix; a key that itself begins with a URL scheme goes after a store URL "
+                  "argument)")
+      ->required();
   sub->add_flag("--json", o->json, "one JSON object per line");
   sub->callback([&g, o] {
     idem::tool::guarded(g, [&] {
+      idem::tool::take_url_argument(g, o->keys);
+      if (o->keys.empty()) throw idem::usage_error("idem: inspect: no key given (idem inspect [URL] KEY...)");
       auto store = idem::tool::open(g);
       int rc = idem::tool::exit_ok;
       bool first = true;

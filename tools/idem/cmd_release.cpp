@@ -1,13 +1,16 @@
-// idem release KEY --fence N: frees a stuck key, atomically, only while it still has that fence.
+// idem release [URL] KEY --fence N: frees a stuck key, atomically, only while it still has that fence.
 
 #include <iostream>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "common.hpp"
+#include "idem/core/error.hpp"
 
 void register_release(CLI::App& app, idem::tool::Globals& g) {
   struct Opts {
+    std::vector<std::string> args;
     std::string key;
     std::uint64_t fence = 0;
     bool yes = false, force = false;
@@ -17,14 +20,21 @@ void register_release(CLI::App& app, idem::tool::Globals& g) {
       app, g, "release",
       "Free a stuck key: it becomes failed, retryable at once, with no holder, so the next delivery runs it "
       "(fence + 1). Only if its fence is still N (take N from `idem inspect`): a holder that took the key over "
-      "since is never freed. Completed keys are never released. Exit 1 when refused.");
-  sub->add_option("key", o->key, "the idempotency key")->required();
+      "since is never freed. Completed keys are never released. Exit 1 when refused.",
+      false);
+  sub->add_option("key", o->args, "[URL] KEY: the store URL (optional: else --url or IDEM_URL), then the idempotency key")
+      ->required();
   sub->add_option("--fence", o->fence, "the fence the record must still have")->required();
   sub->add_flag("--yes,-y", o->yes, "do not ask (required when stdin is not a terminal)");
   sub->add_flag("--force", o->force, "also free an in_progress key whose lease is still live (its holder may still be running)");
   sub->callback([&g, o] {
     idem::tool::guarded(g, [&] {
       using idem::tool::printable;
+      idem::tool::take_url_argument(g, o->args);
+      if (o->args.size() != 1)
+        throw idem::usage_error(o->args.empty() ? "idem: release: no key given (idem release [URL] KEY --fence N)"
+                                                : "idem: release: one key at a time (idem release [URL] KEY --fence N)");
+      o->key = o->args.front();
       auto store = idem::tool::open(g);
       if (!o->yes) {
         if (!idem::tool::stdin_is_tty()) {

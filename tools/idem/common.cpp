@@ -3,6 +3,7 @@
 #include "common.hpp"
 
 #include <cctype>
+#include <cstdlib>
 #include <cstdio>
 #include <iostream>
 #include <iterator>
@@ -67,37 +68,68 @@ bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.
 
 }  // namespace
 
+bool is_postgres_url(std::string_view s) { return starts_with(s, "postgresql://") || starts_with(s, "postgres://"); }
+
+bool is_store_url(std::string_view s) {
+  for (std::string_view scheme : {"redis://", "rediss://", "unix://", "redis-cluster://", "redis-sentinel://"})
+    if (starts_with(s, scheme)) return true;
+  return is_postgres_url(s);
+}
+
+std::string store_url(const Globals& g) {
+  if (!g.url_argument.empty() && !g.url.empty() && g.url_argument != g.url)
+    throw usage_error(fmt::format("idem: two different stores given: '{}' (argument) and '{}' (--url); give one",
+                                  g.url_argument, g.url));
+  if (!g.url_argument.empty()) return g.url_argument;
+  if (!g.url.empty()) return g.url;
+  if (const char* env = std::getenv("IDEM_URL"); env != nullptr && *env != '\0') return env;
+  throw invalid_options_error(
+      "idem: no store given: pass its URL (redis://, rediss://, redis-cluster://, redis-sentinel://, postgresql://) "
+      "as an argument or with --url, or set IDEM_URL");
+}
+
+void take_url_argument(Globals& g, std::vector<std::string>& args) {
+  if (args.empty() || !is_store_url(args.front())) return;
+  g.url_argument = args.front();
+  args.erase(args.begin());
+}
+
 std::unique_ptr<Backend> open(const Globals& g) {
-  if (g.url.empty())
-    throw invalid_options_error("idem: no store given: pass --url (redis://, redis-cluster://, postgresql://) or set IDEM_URL");
-  if (starts_with(g.url, "redis://") || starts_with(g.url, "redis-cluster://") || starts_with(g.url, "unix://")) {
-    RedisOptions o;
-    o.url = g.url;
-    o.key_prefix = g.prefix;
-    o.connect_timeout = millis{3000};
-    o.command_timeout = millis{30000};
-    return std::make_unique<RedisBackend>(std::move(o));
-  }
-  if (starts_with(g.url, "postgresql://") || starts_with(g.url, "postgres://")) {
+  const std::string url = store_url(g);
+  if (is_postgres_url(url)) {
     PostgresOptions o;
-    o.conninfo = g.url;
+    o.conninfo = url;
     PostgresStoreOptions s;
     s.schema = g.schema;
     s.table = g.table;
     return std::make_unique<PostgresBackend>(std::move(o), std::move(s));
   }
-  const auto colon = g.url.find("://");
+  if (is_store_url(url)) {
+    RedisOptions o;
+    o.url = url;
+    o.key_prefix = g.prefix;
+    o.connect_timeout = millis{3000};
+    o.command_timeout = millis{30000};
+    return std::make_unique<RedisBackend>(std::move(o));
+  }
+  const auto colon = url.find("://");
   throw invalid_options_error(
-      fmt::format("idem: unsupported store URL '{}...': use redis://, redis-cluster:// or "
-                  "postgresql://",
-                  colon == std::string::npos ? g.url : g.url.substr(0, colon + 3)));
+      fmt::format("idem: unsupported store URL '{}...': use redis://, rediss://, redis-cluster://, redis-sentinel:// "
+                  "or postgresql://",
+                  colon == std::string::npos ? url : url.substr(0, colon + 3)));
 }
 
-CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help) {
+CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help,
+                     bool url_positional) {
   CLI::App* sub = app.add_subcommand(name, help);
-  sub->add_option("--url,-u", g.url, "the store: redis://[user:pass@]host:port[/db], redis-cluster://host:port[,...], "
-                                     "postgresql://user@host/db")
-      ->envname("IDEM_URL");
+  sub->footer(store_help);
+  if (url_positional)
+    sub->add_option("url", g.url_argument, "the store URL (same as --url; else IDEM_URL)");
+  // IDEM_URL is read by store_url(), not by CLI11, so that an explicit URL can be told apart from it.
+  sub->add_option("--url,-u", g.url,
+                  "the store (else the URL argument or IDEM_URL): redis://[user:pass@]host:port[/db], rediss://..., "
+                  "unix:///path, redis-cluster://host:port[,...], redis-sentinel://host:port[,...]/master, "
+                  "postgresql://user@host/db");
   sub->add_option("--prefix", g.prefix, "Redis key prefix (RedisOptions::key_prefix)")->capture_default_str();
   sub->add_option("--schema", g.schema, "PostgreSQL schema (PostgresStoreOptions::schema)")->capture_default_str();
   sub->add_option("--table", g.table, "PostgreSQL table (PostgresStoreOptions::table)")->capture_default_str();

@@ -24,7 +24,8 @@ inline constexpr int exit_store = 3;    // store unreachable, permission denied,
 
 // Options before or after the subcommand name.
 struct Globals {
-  std::string url;
+  std::string url;           // --url / -u
+  std::string url_argument;  // the store URL given as the command's first argument
   std::string prefix = "idem:";
   std::string schema = "idem";
   std::string table = "idem_records";
@@ -46,11 +47,34 @@ public:
   virtual std::vector<Finding> doctor() = 0;
 };
 
-// The backend for g.url (invalid_options_error for an unknown scheme or a missing URL).
+// Whether `s` begins with a store URL scheme the tool opens (redis://, rediss://, unix://,
+// redis-cluster://, redis-sentinel://, postgresql://, postgres://).
+bool is_store_url(std::string_view s);
+bool is_postgres_url(std::string_view s);
+
+// The one store of this run, named in one of three ways: the command's URL argument, --url / -u,
+// or IDEM_URL. The argument and --url may both be given only if they are the same URL (else a
+// usage_error naming both); either overrides IDEM_URL. Throws invalid_options_error when none
+// is given.
+std::string store_url(const Globals& g);
+
+// For commands whose arguments are "[URL] KEY...": takes a leading store URL off `args` into
+// g.url_argument.
+void take_url_argument(Globals& g, std::vector<std::string>& args);
+
+// The backend for store_url(g) (invalid_options_error for an unknown scheme or a missing URL).
 std::unique_ptr<Backend> open(const Globals& g);
 
 // Adds the subcommand with the shared options attached, so they may follow its name.
-CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help);
+// url_positional: also take the store URL as an optional positional argument (commands with no
+// positional arguments of their own; the ones with keys call take_url_argument).
+CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const std::string& help,
+                     bool url_positional = true);
+
+// The help line every command shows for the ways to name the store.
+inline constexpr const char* store_help =
+    "The store: a URL argument, --url/-u or the IDEM_URL environment variable (the argument and --url "
+    "must agree when both are given; either overrides IDEM_URL).\n";
 
 // Runs `body` and turns idem's exceptions into a message on stderr and an exit code.
 void guarded(Globals& g, const std::function<int()>& body);

@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   CLI::App app{"idem: inspect, free and check the stores of idem (exactly-once effects over at-least-once delivery)"};
   app.require_subcommand(1);
   app.set_version_flag("--version", fmt::format("idem {}", idem::version_string));
+  app.footer(fmt::format("Every command names its store the same way. {}`idem <command> --help` for its options.",
+                         idem::tool::store_help));
 #define IDEM_COMMAND(name) register_##name(app, g);
 #include "commands.inc"
 #undef IDEM_COMMAND

@@ -130,6 +130,7 @@ public:
   /// The writes of one batch (BatchWriter): in memory each is done when it is made.
   class BatchWriter {
   public:
+    /// A writer on `s` (MemoryStore::batch_writer() makes it).
     explicit BatchWriter(MemoryStore& s) : s_(&s) {}
     /// Completes now; the status is kept for finish().
     void complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
