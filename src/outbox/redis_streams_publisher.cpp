@@ -1,153 +1,126 @@
-// RedisStreamsPublisher: XADD of each outbox message over one hiredis connection, pipelined.
+// RedisStreamsPublisher: XADD of each outbox message over one connection, pipelined.
 
 #include "idem/outbox/redis_streams_publisher.hpp"
 
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
+#include <cerrno>
+#include <cstring>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "client.hpp"
 #include "idem/core/error.hpp"
+#include "tls.hpp"
 
 namespace idem {
 
 namespace {
 
+using detail::redis::Client;
+using detail::redis::Command;
+using detail::redis::Link;
+using detail::redis::Pipeline;
+using detail::redis::ReplyPtr;
+
 RedisStreamsPublisherOptions checked(RedisStreamsPublisherOptions o) {
-  if (!o.redis.url.empty()) o.redis = parse_redis_url(o.redis.url, o.redis);
-  if (o.redis.tls.enabled || !o.redis.cluster_nodes.empty() || !o.redis.sentinels.empty())
+  o.redis = detail::redis::resolve_options(std::move(o.redis));
+  if (!o.redis.cluster_nodes.empty())
     throw invalid_options_error(
-        "idem: RedisStreamsPublisher speaks to one plain Redis server (redis:// or unix://); TLS, cluster "
-        "and Sentinel are not supported by this publisher");
-  if (o.redis.port < 1 || o.redis.port > 65535)
-    throw invalid_options_error("idem: RedisStreamsPublisherOptions::redis.port must be 1..65535");
-  if (o.redis.connect_timeout.count() <= 0 || o.redis.command_timeout.count() <= 0)
-    throw invalid_options_error("idem: RedisStreamsPublisherOptions: connect_timeout and command_timeout must be > 0");
+        "idem: RedisStreamsPublisher speaks to one Redis server (redis://, rediss://, unix:// or "
+        "redis-sentinel://); a Redis Cluster is not supported by this publisher");
   return o;
 }
 
-timeval tv(millis m) { return {static_cast<time_t>(m.count() / 1000), static_cast<suseconds_t>((m.count() % 1000) * 1000)}; }
-
-struct ReplyDeleter {
-  void operator()(void* r) const noexcept { freeReplyObject(r); }
-};
-using Reply = std::unique_ptr<redisReply, ReplyDeleter>;
-
 }  // namespace
 
+// The connection comes from the factory every Redis entry point uses (Client::open_ready: TLS and
+// its checks, AUTH, SELECT, Sentinel discovery and ROLE check); the XADDs are this file's own.
 struct RedisStreamsPublisher::Impl {
   RedisStreamsPublisherOptions opt;
-  redisContext* c = nullptr;
+  std::unique_ptr<Client> factory;
+  Link link;
 
-  ~Impl() { close(); }
-  void close() noexcept {
-    if (c) redisFree(c);
-    c = nullptr;
-  }
+  void close() noexcept { link = Link{}; }
 
-  std::string where() const {
-    return opt.redis.unix_socket.empty() ? fmt::format("{}:{}", opt.redis.host, opt.redis.port) : opt.redis.unix_socket;
-  }
+  std::string where() const { return factory->where(); }
 
   [[noreturn]] void broken(const std::string& what) {
-    const std::string m = fmt::format("idem: redis-streams publisher ({}): {}{}; the relay retries after its backoff",
-                                      where(), what, c && c->err ? fmt::format(": {}", c->errstr) : std::string());
+    const int err = errno;
+    try {
+      factory->throw_if_tls_refused(link, err);  // mutual TLS without a certificate, a TLS alert
+    } catch (const error& e) {
+      close();
+      throw publish_error(fmt::format("idem: redis-streams publisher: {}", e.what()), false);
+    }
+    std::string why;
+    if (link.tls && !link.tls->failure().empty()) why = fmt::format(": {}", link.tls->failure());
+    else if (link.context && link->err) why = fmt::format(": {}", link->errstr);
+    else if (err != 0) why = fmt::format(": {}", std::strerror(err));
+    const std::string m =
+        fmt::format("idem: redis-streams publisher ({}): {}{}; the relay retries after its backoff", where(), what, why);
     close();
+    factory->doubt_master();
     throw publish_error(m, true);
   }
 
-  Reply command(const std::vector<std::string>& args) {
-    std::vector<const char*> argv;
-    std::vector<std::size_t> lens;
-    for (const auto& a : args) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
-    }
-    Reply r(static_cast<redisReply*>(redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data())));
-    if (!r) broken("connection lost");
-    if (r->type == REDIS_REPLY_ERROR) {
-      const std::string m(r->str, r->len);
-      close();
-      throw publish_error(fmt::format("idem: redis-streams publisher ({}): {}", where(), m), true);
-    }
-    return r;
-  }
-
   void connect() {
-    if (c && c->err == 0) return;
+    if (link.context && link->err == 0) return;
     close();
-    c = opt.redis.unix_socket.empty()
-            ? redisConnectWithTimeout(opt.redis.host.c_str(), opt.redis.port, tv(opt.redis.connect_timeout))
-            : redisConnectUnixWithTimeout(opt.redis.unix_socket.c_str(), tv(opt.redis.connect_timeout));
-    if (!c || c->err) broken("cannot connect");
-    redisSetTimeout(c, tv(opt.redis.command_timeout));
-    if (!opt.redis.password.empty()) {
-      if (opt.redis.user.empty())
-        command({"AUTH", opt.redis.password});
-      else
-        command({"AUTH", opt.redis.user, opt.redis.password});
+    try {
+      link = factory->open_ready();
+    } catch (const error& e) {
+      // A TLS check or a refused AUTH says what to fix and no retry helps; a server down does.
+      factory->doubt_master();
+      throw publish_error(fmt::format("idem: redis-streams publisher: {}", e.what()), e.retryable());
     }
-    if (opt.redis.db != 0) command({"SELECT", std::to_string(opt.redis.db)});
   }
 
   void publish(std::span<const OutboxMessage> batch) {
     if (batch.empty()) return;
     connect();
-    std::vector<const char*> argv;
-    std::vector<std::size_t> lens;
-    std::vector<std::string> owned;
+    Pipeline xadds;
     const std::string maxlen = std::to_string(opt.maxlen);
     for (const OutboxMessage& m : batch) {
-      std::string stream = opt.stream_prefix + m.destination;
-      owned.clear();
-      owned.reserve(8 + 2 * m.headers.size());
-      owned.push_back("XADD");
-      owned.push_back(std::move(stream));
-      if (opt.maxlen > 0) {
-        owned.push_back("MAXLEN");
-        owned.push_back("~");
-        owned.push_back(maxlen);
-      }
-      owned.push_back("*");
-      owned.push_back("id");
-      owned.push_back(m.id);
-      owned.push_back("key");
-      owned.push_back(m.message_key);
-      owned.push_back("payload");
-      owned.push_back(m.payload);
-      for (const auto& [name, value] : m.headers) {
-        owned.push_back("h:" + name);
-        owned.push_back(value);
-      }
-      argv.clear();
-      lens.clear();
-      for (const auto& a : owned) {
-        argv.push_back(a.data());
-        lens.push_back(a.size());
-      }
-      // hiredis copies the command into its output buffer: `owned` may be reused at once.
-      if (redisAppendCommandArgv(c, static_cast<int>(argv.size()), argv.data(), lens.data()) != REDIS_OK)
-        broken("cannot queue XADD");
+      const std::string stream = opt.stream_prefix + m.destination;
+      Command cmd;
+      cmd.arg("XADD").arg(stream);
+      if (opt.maxlen > 0) cmd.arg("MAXLEN").arg("~").arg(maxlen);
+      cmd.arg("*").arg("id").arg(m.id).arg("key").arg(m.message_key).arg("payload").arg(m.payload);
+      std::vector<std::string> names;
+      names.reserve(m.headers.size());
+      for (const auto& [name, value] : m.headers) names.push_back("h:" + name);
+      std::size_t i = 0;
+      for (const auto& [name, value] : m.headers) cmd.arg(names[i++]).arg(value);
+      xadds.add(cmd.format());
     }
+    if (link.write(xadds.all()) != xadds.all().size()) broken("connection lost while sending XADD");
     std::string first_error;
     for (std::size_t i = 0; i < batch.size(); ++i) {
-      void* raw = nullptr;
-      if (redisGetReply(c, &raw) != REDIS_OK || !raw) broken("connection lost during XADD");
-      Reply r(static_cast<redisReply*>(raw));
+      ReplyPtr r = link.read();
+      if (!r) broken("connection lost during XADD");
       if (r->type == REDIS_REPLY_ERROR && first_error.empty())
         first_error =
             fmt::format("XADD {}{}: {}", opt.stream_prefix, batch[i].destination, std::string_view(r->str, r->len));
     }
-    if (!first_error.empty())
+    if (!first_error.empty()) {
+      // A master demoted under us (Sentinel) answers READONLY: the next batch asks the sentinels.
+      if (first_error.find(": READONLY") != std::string::npos || first_error.find(": LOADING") != std::string::npos ||
+          first_error.find(": MASTERDOWN") != std::string::npos) {
+        close();
+        factory->doubt_master();
+      }
       throw publish_error(fmt::format("idem: redis-streams publisher ({}): {}", where(), first_error), true);
+    }
   }
 };
 
 RedisStreamsPublisher::RedisStreamsPublisher(RedisStreamsPublisherOptions options)
     : impl_(std::make_unique<Impl>()) {
   impl_->opt = checked(std::move(options));
+  impl_->factory = std::make_unique<Client>(impl_->opt.redis, Client::FactoryOnly{});
 }
 
 RedisStreamsPublisher::~RedisStreamsPublisher() = default;

@@ -92,6 +92,17 @@ Client::Client(RedisOptions o)
                     opt_.min_replica_acks, where(), replicas));
 }
 
+Client::Client(RedisOptions o, FactoryOnly)
+    : opt_(resolve_options(std::move(o))),
+      tls_(opt_.tls.enabled ? std::make_unique<const Tls>(opt_.tls) : nullptr),
+      sentinels_(sentinel_endpoints(opt_)),
+      rediscover_(!sentinels_.empty()),
+      pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
+  if (!opt_.cluster_nodes.empty())
+    throw invalid_options_error("idem: this connection speaks to one server: redis://, rediss://, unix:// or "
+                                "redis-sentinel://, not redis-cluster://");
+}
+
 Client::~Client() = default;
 
 std::string Client::where() const {

@@ -156,6 +156,11 @@ class Cluster;
 class Client {
 public:
   explicit Client(RedisOptions o);
+  // A client used only as the connection factory (open_ready), for a caller that sends commands
+  // of its own (the Redis Streams publisher, the tool's raw session): nothing is connected or
+  // loaded until open_ready. Not in cluster mode (invalid_options_error).
+  struct FactoryOnly {};
+  Client(RedisOptions o, FactoryOnly);
   ~Client();
   Client(const Client&) = delete;
   Client& operator=(const Client&) = delete;
@@ -207,6 +212,10 @@ public:
   // The caller's connection broke or a server answered as a replica: in Sentinel mode, the next
   // open_ready() asks the sentinels again.
   void doubt_master() const noexcept { suspect(); }
+  // The server ended `c`'s session before its first reply because TLS refused it (an alert) or it
+  // wanted a client certificate none is configured for: connection_error "TLS", not retryable.
+  // Returns when the failure (errno `err`) was anything else.
+  void throw_if_tls_refused(const Link& c, int err) const;
 
 private:
   // A pooled connection and the pool generation it belongs to: a new master (Sentinel) or a
@@ -325,7 +334,6 @@ private:
   // An I/O failure on `c`: InDoubt when the request may have run, else the typed error; TLS
   // refusing the session is connection_error "TLS", not retryable.
   [[noreturn]] void throw_io(const Link& c, const char* during, bool maybe_ran) const;
-  void throw_if_tls_refused(const Link& c, int err) const;
 
   Connection connect() const;
   // Opens a socket to `to` with the timeouts set, over TLS with `tls` (connection_error naming `to` and `role`).

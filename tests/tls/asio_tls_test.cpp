@@ -116,3 +116,29 @@ TEST_CASE("AsyncRedisStore over TLS: an unknown CA and a wrong host name fail cl
   CHECK(e.code() == "TLS");
   CHECK_THAT(e.what(), Catch::Contains("host name"));
 }
+
+#ifdef IDEM_TEST_OUTBOX
+#include "idem/outbox/redis_streams_publisher.hpp"
+
+// The outbox's Redis Streams publisher connects through the same factory: rediss:// (and mutual
+// TLS) work there too, and a TLS refusal is a publish_error no retry can help.
+TEST_CASE("RedisStreamsPublisher over rediss:// and mutual TLS", "[tls][outbox]") {
+  TlsRedisServer mtls(TlsServerConfig{"server", "yes", {}});
+  const std::string stream = "tls-out-" + idem::test::random_hex();
+  std::vector<idem::OutboxMessage> batch{{.id = "m1", .destination = stream, .message_key = "k", .payload = "a"},
+                                         {.id = "m2", .destination = stream, .message_key = "k", .payload = "b"}};
+  idem::RedisStreamsPublisher pub{{.redis = mtls.mtls_options()}};
+  pub.publish(batch);
+  CHECK(mtls.command({"XLEN", stream}) == "2");
+
+  idem::RedisStreamsPublisher no_cert{{.redis = mtls.options()}};
+  try {
+    no_cert.publish(batch);
+    FAIL("a publisher without a client certificate published");
+  } catch (const idem::publish_error& e) {
+    CHECK_FALSE(e.retryable());
+    CHECK_THAT(e.what(), Catch::Contains("certificate"));
+  }
+  CHECK(mtls.command({"XLEN", stream}) == "2");
+}
+#endif

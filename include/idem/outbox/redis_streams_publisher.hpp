@@ -14,8 +14,9 @@ namespace idem {
 
 /// Options of a RedisStreamsPublisher.
 struct RedisStreamsPublisherOptions {
-  /// The server: `url` (redis:// or unix://) or host/port/unix_socket, user, password, db,
-  /// connect_timeout and command_timeout. TLS, cluster and Sentinel are refused (invalid_options_error).
+  /// The server: `url` (redis://, rediss://, unix://, redis-sentinel://) or the fields, connected
+  /// through the stores' connection factory (TLS and its checks, AUTH, SELECT, Sentinel); a
+  /// cluster is refused (invalid_options_error).
   RedisOptions redis;
   /// Prepended to every message's destination to name its stream ("" = the destination as is).
   std::string stream_prefix;
