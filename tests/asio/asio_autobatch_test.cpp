@@ -250,21 +250,6 @@ TEST_CASE("auto-batching: many callers on the same and on different keys, each k
   CHECK(st.requests < st.coalesced);  // fewer script calls than steps
 }
 
-TEST_CASE("auto-batching: blocking callers from 16 threads share coalesced calls", "[asio][batch]") {
-  idem::test::AsyncRedisFactory f;
-  idem::IdempotencyGuard guard{f.store(), {.lease = 10s, .retention = 60s}};
-  const std::string ns = "threads-" + random_hex() + ":";
-  std::atomic<int> ran{0};
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 16; ++t)
-    threads.emplace_back([&, t] {
-      for (int i = 0; i < 100; ++i) guard.run(ns + std::to_string((t * 100 + i) % 800), [&] { ++ran; });
-    });
-  for (auto& t : threads) t.join();
-  CHECK(ran == 800);
-  CHECK(f.store().stats().connects == 1);
-}
-
 TEST_CASE("auto-batching: the connection lost with a coalesced call in flight", "[asio][batch]") {
   idem::test::RedisServer server;
   idem::test::TcpProxy proxy{server.port()};

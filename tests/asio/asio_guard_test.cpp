@@ -158,6 +158,7 @@ TEST_CASE("AsyncRedisStore: blocking calls from 16 threads share one connection"
   for (auto& t : threads) t.join();
   CHECK(ran == 800);
   CHECK(f.store().stats().connects == 1);
+  CHECK(f.store().stats().coalesced > 0);  // auto-batching: threads' steps shared script calls
 }
 
 TEST_CASE("AsyncRedisStore: a killed server fails calls closed, then it reconnects by itself", "[asio]") {
