@@ -52,7 +52,7 @@ start)
   while :; do
     tries=$((tries + 1))
     # A port in the dynamic range picked at random; if it is taken, pg_ctl fails and we try another.
-    port=$(( ($(od -An -N2 -tu2 /dev/urandom | tr -d ' ') % 20000) + 30000 ))
+    port=$(( ($(od -An -N2 -tu2 /dev/urandom | tr -d ' ') % 20000) + 10000 ))  # below the ephemeral range (32768+)
     if as_pg "$bindir/pg_ctl" -D "$base/data" -l "$base/server.log" -w -t 30 \
         -o "-c listen_addresses=127.0.0.1 -p $port -c unix_socket_directories=$base -c max_connections=200 $settings" start >/dev/null; then
       break

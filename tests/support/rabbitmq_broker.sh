@@ -34,10 +34,16 @@ port_free() {  # nothing listening on 127.0.0.1:$1
     ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
   fi
 }
+# Below the kernel's ephemeral range (ip_local_port_range, 32768+ by default): a port picked
+# there could be taken by any test's outgoing connection between the check and the node's bind,
+# which is how a start failed with dist_port_already_used / nodistribution under load.
+port_floor=10000
+port_ceiling=$(( $(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768) - 1 ))
+((port_ceiling > port_floor + 1000)) || port_ceiling=32767
 pick_port() {
   local p
   for _ in $(seq 1 50); do
-    p=$(( ($(od -An -N2 -tu2 /dev/urandom | tr -d ' ') % 20000) + 30000 ))
+    p=$(( ($(od -An -N2 -tu2 /dev/urandom | tr -d ' ') % (port_ceiling - port_floor)) + port_floor ))
     port_free "$p" && { echo "$p"; return 0; }
   done
   return 1
