@@ -12,7 +12,6 @@
 #include <array>
 #include <atomic>
 #include <cerrno>
-#include <charconv>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -48,88 +47,6 @@ using ReaderPtr = std::unique_ptr<redisReader, ReaderFree>;
 // The connection's own requests (SCRIPT LOAD after NOSCRIPT).
 struct Internal final : Op {
   void finish(std::exception_ptr, ReplyPtr) noexcept override {}
-};
-
-namespace {
-// Parses the decimal in `text`; -1 when it is not one.
-long long decimal(std::string_view text) {
-  long long v = -1;
-  const auto res = std::from_chars(text.data(), text.data() + text.size(), v);
-  return res.ec == std::errc() && res.ptr == text.data() + text.size() ? v : -1;
-}
-// The end of the RESP bulk string at `at` in `b`, or npos.
-std::size_t bulk_end(std::string_view b, std::size_t at) {
-  if (at >= b.size() || b[at] != '$') return std::string_view::npos;
-  const std::size_t eol = b.find("\r\n", at);
-  if (eol == std::string_view::npos) return eol;
-  const long long len = decimal(b.substr(at + 1, eol - at - 1));
-  if (len < 0 || eol + 4 + static_cast<std::size_t>(len) > b.size()) return std::string_view::npos;
-  return eol + 4 + static_cast<std::size_t>(len);
-}
-}  // namespace
-
-void locate_step(Op& op, Script s) {
-  const std::string_view b = op.bytes;
-  const std::size_t eol = b.find("\r\n");
-  if (b.empty() || b[0] != '*' || eol == std::string_view::npos) return;
-  const long long argc = decimal(b.substr(1, eol - 1));
-  std::size_t at = eol + 2;
-  for (int i = 0; i < 3 && at != std::string_view::npos; ++i) at = bulk_end(b, at);  // EVALSHA sha 1
-  const std::size_t args = at == std::string_view::npos ? at : bulk_end(b, at);
-  if (args == std::string_view::npos || b.size() > UINT32_MAX) return;
-  const long long nargs = argc - 4;
-  const char* step = nullptr;
-  switch (s) {
-    case Script::acquire: step = nargs == 5 ? "a5" : nullptr; break;
-    case Script::complete: step = nargs == 4 ? "c4" : nargs == 5 ? "c5" : nullptr; break;
-    case Script::fail: step = nargs == 7 ? "f7" : nullptr; break;
-    case Script::extend: step = nargs == 3 ? "e3" : nullptr; break;
-    default: break;
-  }
-  if (step == nullptr) return;
-  op.step = step;
-  op.key_at = static_cast<std::uint32_t>(at);
-  op.args_at = static_cast<std::uint32_t>(args);
-  op.script_end = static_cast<std::uint32_t>(b.size());
-}
-
-// Several callers' one-key steps sent as one `many` call (auto-batching). Each member gets the
-// reply element its own call would have had: the same answer, the same error (a damaged record,
-// OOM), the same durability check (a WAIT after the call counts for the members whose step wrote),
-// and, when the call had to be sent again after a lost reply, the same in-doubt error.
-struct Group final : Op {
-  std::vector<std::unique_ptr<Op>> members;
-  const RedisOptions* opt = nullptr;
-  const std::string* where = nullptr;
-  ReplyPtr wait;  // with `waits`: the WAIT's reply
-
-  void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
-    if (!e && (reply->type != REDIS_REPLY_ARRAY || reply->elements != members.size()))
-      e = capture([&] {
-        throw_if_error(reply.get(), store_hints, [&] { return what; });
-        throw_bad_reply(what);
-      });
-    if (e) {
-      for (auto& m : members) m->finish(e, nullptr);
-      return;
-    }
-    for (std::size_t i = 0; i < members.size(); ++i) {
-      ReplyPtr one(reply->element[i]);
-      reply->element[i] = nullptr;  // now owned by `one` (freeReplyObject skips null elements)
-      Op& m = *members[i];
-      if (resent && is_error(one.get())) {
-        const std::string text(reply_text(one.get()));
-        m.finish(capture([&] { throw_outcome_unknown(first, m.what, text, std::string(error_code(text))); }), nullptr);
-        continue;
-      }
-      if (wait && !is_error(one.get()) && wrote(m.script, one.get()))
-        if (auto we = capture([&] { check_wait(wait.get(), m.script, m.what, *opt, *where); })) {
-          m.finish(we, nullptr);
-          continue;
-        }
-      m.finish(nullptr, std::move(one));
-    }
-  }
 };
 
 class Connection : public std::enable_shared_from_this<Connection> {
@@ -309,7 +226,7 @@ private:
     std::size_t step_bytes = 0;
     auto flush = [&] {
       if (steps.size() == 1) put(std::move(steps.front()));
-      else if (steps.size() > 1) put(group_of(std::move(steps)));
+      else if (steps.size() > 1) put(coalesce(std::move(steps), opt_, where_, coalesced_));
       steps.clear();
       step_bytes = 0;
     };
@@ -323,40 +240,10 @@ private:
       }
       step_bytes += op->script_end - op->key_at;
       steps.push_back(std::move(op));
-      if (steps.size() >= opt_.auto_batch || step_bytes >= max_group_bytes) flush();
+      if (steps.size() >= opt_.auto_batch || step_bytes >= max_coalesced_bytes) flush();
     }
     flush();
     send_bytes(std::move(bytes), n);
-  }
-
-  // A bound on one coalesced call's bytes, so a burst of large results is not one huge request.
-  static constexpr std::size_t max_group_bytes = 1 << 20;
-
-  std::unique_ptr<Op> group_of(std::vector<std::unique_ptr<Op>> steps) {
-    auto g = std::make_unique<Group>();
-    std::size_t argc = 3;  // EVALSHA sha numkeys
-    for (const auto& m : steps) argc += 2 + static_cast<std::size_t>(m->step[1] - '0');  // key, step, its arguments
-    const ScriptInfo& many = script(Script::many);
-    const std::string keys = std::to_string(steps.size());
-    g->bytes = fmt::format("*{}\r\n$7\r\nEVALSHA\r\n${}\r\n{}\r\n${}\r\n{}\r\n", argc, many.sha.size(), many.sha,
-                           keys.size(), keys);
-    for (const auto& m : steps) g->bytes.append(m->bytes, m->key_at, m->args_at - m->key_at);
-    for (const auto& m : steps) {
-      g->bytes.append("$2\r\n").append(m->step).append("\r\n");
-      g->bytes.append(m->bytes, m->args_at, m->script_end - m->args_at);
-    }
-    const Op& first = *steps.front();
-    if (first.waits) {  // every step writes, so every one carries the same WAIT
-      g->bytes.append(first.bytes, first.script_end);
-      g->waits = true;
-    }
-    g->script = Script::many;
-    g->what = fmt::format("{} steps in one call (auto-batching; the first: {})", steps.size(), first.what);
-    g->opt = &opt_;
-    g->where = &where_;
-    coalesced_ += steps.size();
-    g->members = std::move(steps);
-    return g;
   }
 
   void send_bytes(std::string bytes, std::size_t n) {
@@ -472,14 +359,12 @@ private:
       if (op->waits) {
         ReplyPtr wait = std::move(reply);
         reply = std::move(op->script_reply);
-        if (auto* g = dynamic_cast<Group*>(op.get())) {
-          g->wait = std::move(wait);  // checked per member, for the steps that wrote
-        } else if (!is_noscript(reply.get()) && !(op->resent && is_error(reply.get()))) {
+        // A coalesced call keeps the WAIT's reply and checks it per member (keeps_wait).
+        if (!op->keeps_wait(wait) && !is_noscript(reply.get()) && !(op->resent && is_error(reply.get())))
           if (auto e = check_acks(*op, reply.get(), wait.get())) {
             op->finish(e, nullptr);
             continue;
           }
-        }
       }
       deliver(std::move(op), std::move(reply));
       if (gen != generation_) return false;  // the delivery broke the connection (a replica answered)
@@ -517,12 +402,6 @@ private:
                         nullptr);
     }
     op->finish(nullptr, std::move(reply));
-  }
-
-  static bool is_not_master(const redisReply* r) {
-    if (!is_error(r)) return false;
-    const std::string_view code = error_code(reply_text(r));
-    return code == "READONLY" || code == "LOADING" || code == "MASTERDOWN";
   }
 
   // min_replica_acks: a reply that changed a record counts only once enough replicas have it (the

@@ -4,11 +4,13 @@
 // RedisStore does; the connection only moves them: queued while a write is under way, written
 // together, replies matched in order, lost ones resent once as the same holder.
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <boost/asio/any_io_executor.hpp>
 
@@ -38,6 +40,9 @@ struct Op {
   // `reply` is null when `e` is set; a resent request's error reply is turned into
   // outcome_unknown_error by the connection before this is called.
   virtual void finish(std::exception_ptr e, ReplyPtr reply) noexcept = 0;
+  // With `waits`: true when the op checks the WAIT's reply itself (a coalesced call, per member)
+  // and has taken it; false leaves the check to the connection.
+  virtual bool keeps_wait(ReplyPtr& /*wait*/) noexcept { return false; }
 
   std::string bytes;
   std::string what;           // "acquire of key 'k'", for messages
@@ -59,9 +64,16 @@ struct Op {
   std::uint32_t script_end = 0;  // the end of the EVALSHA (a WAIT may follow it)
 };
 
-// Marks `op` (its `bytes` the single-key EVALSHA of `s`, before any WAIT) as one that may be
-// coalesced; leaves it alone for a script many.lua does not take.
+// Auto-batching (coalesce.cpp). Marks `op` (its `bytes` the single-key EVALSHA of `s`, before
+// any WAIT) as one that may be coalesced; leaves it alone for a script many.lua does not take.
 void locate_step(Op& op, Script s);
+// One `many` call carrying `steps` (two or more located ones, in arrival order): each gets the
+// reply its own call would have had. `opt` and `where` (the connection's) outlive the call;
+// `coalesced` counts the steps.
+std::unique_ptr<Op> coalesce(std::vector<std::unique_ptr<Op>> steps, const RedisOptions& opt,
+                             const std::string& where, std::atomic<std::uint64_t>& coalesced);
+// A bound on one coalesced call's bytes, so a burst of large results is not one huge request.
+inline constexpr std::size_t max_coalesced_bytes = 1 << 20;
 
 template <class T>
 using DonePtr = std::unique_ptr<Done<T>>;

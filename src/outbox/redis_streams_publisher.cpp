@@ -98,17 +98,17 @@ struct RedisStreamsPublisher::Impl {
     }
     if (link.write(xadds.all()) != xadds.all().size()) broken("connection lost while sending XADD");
     std::string first_error;
+    bool demoted = false;  // a master demoted under us (Sentinel) answered READONLY
     for (std::size_t i = 0; i < batch.size(); ++i) {
       ReplyPtr r = link.read();
       if (!r) broken("connection lost during XADD");
+      demoted = demoted || detail::redis::is_not_master(r.get());
       if (r->type == REDIS_REPLY_ERROR && first_error.empty())
         first_error =
             fmt::format("XADD {}{}: {}", opt.stream_prefix, batch[i].destination, std::string_view(r->str, r->len));
     }
     if (!first_error.empty()) {
-      // A master demoted under us (Sentinel) answers READONLY: the next batch asks the sentinels.
-      if (first_error.find(": READONLY") != std::string::npos || first_error.find(": LOADING") != std::string::npos ||
-          first_error.find(": MASTERDOWN") != std::string::npos) {
+      if (demoted) {  // the next batch asks the sentinels
         close();
         factory->doubt_master();
       }

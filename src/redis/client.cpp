@@ -237,15 +237,11 @@ void Client::load(Link& c, Script s, const ReplyErrorHints& hints) const {
   check_loaded(read_reply(c, "to SCRIPT LOAD").get(), s, hints);
 }
 
-namespace {
-// The replica answered where a master was expected, or the server is not ready: the request ran
-// nothing, and the sentinels may know a better server.
 bool is_not_master(const redisReply* r) {
   if (!is_error(r)) return false;
   const std::string_view code = error_code(reply_text(r));
   return code == "READONLY" || code == "LOADING" || code == "MASTERDOWN";
 }
-}  // namespace
 
 namespace {
 // One formatted request seen as a pipeline of one, so eval builds no Pipeline.

@@ -138,6 +138,9 @@ struct Link {
 // when too few replicas acknowledged (`where` names the primary).
 void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,
                 const std::string& where);
+// The replica answered where a master was expected, or the server is not ready: the request ran
+// nothing, and (Sentinel) the sentinels may know a better server. Every connection user asks this.
+bool is_not_master(const redisReply* r);
 // AUTH [user] password onto `p`, when there is a password.
 void add_auth(Pipeline& p, const std::string& user, const std::string& password);
 // "host:port", "[v6]:port", or the socket path (port 0).

@@ -1,0 +1,131 @@
+// Auto-batching on AsyncRedisStore's connection (connection.hpp): where a one-key step sits in its
+// single-key EVALSHA, and the `many` call (src/redis/lua/many.lua) that carries several callers'
+// steps at once, its reply split back to each caller as its own call's would have been.
+
+#include <charconv>
+#include <cstdint>
+#include <string_view>
+
+#include <fmt/format.h>
+#include <hiredis/hiredis.h>
+
+#include "connection.hpp"
+
+namespace idem::detail::asio_redis {
+
+namespace {
+// Parses the decimal in `text`; -1 when it is not one.
+long long decimal(std::string_view text) {
+  long long v = -1;
+  const auto res = std::from_chars(text.data(), text.data() + text.size(), v);
+  return res.ec == std::errc() && res.ptr == text.data() + text.size() ? v : -1;
+}
+// The end of the RESP bulk string at `at` in `b`, or npos.
+std::size_t bulk_end(std::string_view b, std::size_t at) {
+  if (at >= b.size() || b[at] != '$') return std::string_view::npos;
+  const std::size_t eol = b.find("\r\n", at);
+  if (eol == std::string_view::npos) return eol;
+  const long long len = decimal(b.substr(at + 1, eol - at - 1));
+  if (len < 0 || eol + 4 + static_cast<std::size_t>(len) > b.size()) return std::string_view::npos;
+  return eol + 4 + static_cast<std::size_t>(len);
+}
+}  // namespace
+
+void locate_step(Op& op, Script s) {
+  const std::string_view b = op.bytes;
+  const std::size_t eol = b.find("\r\n");
+  if (b.empty() || b[0] != '*' || eol == std::string_view::npos) return;
+  const long long argc = decimal(b.substr(1, eol - 1));
+  std::size_t at = eol + 2;
+  for (int i = 0; i < 3 && at != std::string_view::npos; ++i) at = bulk_end(b, at);  // EVALSHA sha 1
+  const std::size_t args = at == std::string_view::npos ? at : bulk_end(b, at);
+  if (args == std::string_view::npos || b.size() > UINT32_MAX) return;
+  const long long nargs = argc - 4;
+  const char* step = nullptr;
+  switch (s) {
+    case Script::acquire: step = nargs == 5 ? "a5" : nullptr; break;
+    case Script::complete: step = nargs == 4 ? "c4" : nargs == 5 ? "c5" : nullptr; break;
+    case Script::fail: step = nargs == 7 ? "f7" : nullptr; break;
+    case Script::extend: step = nargs == 3 ? "e3" : nullptr; break;
+    default: break;
+  }
+  if (step == nullptr) return;
+  op.step = step;
+  op.key_at = static_cast<std::uint32_t>(at);
+  op.args_at = static_cast<std::uint32_t>(args);
+  op.script_end = static_cast<std::uint32_t>(b.size());
+}
+
+// Several callers' one-key steps sent as one `many` call (auto-batching). Each member gets the
+// reply element its own call would have had: the same answer, the same error (a damaged record,
+// OOM), the same durability check (a WAIT after the call counts for the members whose step wrote),
+// and, when the call had to be sent again after a lost reply, the same in-doubt error.
+struct Group final : Op {
+  std::vector<std::unique_ptr<Op>> members;
+  const RedisOptions* opt = nullptr;
+  const std::string* where = nullptr;
+  ReplyPtr wait;  // with `waits`: the WAIT's reply
+
+  bool keeps_wait(ReplyPtr& w) noexcept override {
+    wait = std::move(w);
+    return true;
+  }
+
+  void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
+    if (!e && (reply->type != REDIS_REPLY_ARRAY || reply->elements != members.size()))
+      e = capture([&] {
+        throw_if_error(reply.get(), store_hints, [&] { return what; });
+        throw_bad_reply(what);
+      });
+    if (e) {
+      for (auto& m : members) m->finish(e, nullptr);
+      return;
+    }
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      ReplyPtr one(reply->element[i]);
+      reply->element[i] = nullptr;  // now owned by `one` (freeReplyObject skips null elements)
+      Op& m = *members[i];
+      if (resent && is_error(one.get())) {
+        const std::string text(reply_text(one.get()));
+        m.finish(capture([&] { throw_outcome_unknown(first, m.what, text, std::string(error_code(text))); }), nullptr);
+        continue;
+      }
+      if (wait && !is_error(one.get()) && wrote(m.script, one.get()))
+        if (auto we = capture([&] { check_wait(wait.get(), m.script, m.what, *opt, *where); })) {
+          m.finish(we, nullptr);
+          continue;
+        }
+      m.finish(nullptr, std::move(one));
+    }
+  }
+};
+
+std::unique_ptr<Op> coalesce(std::vector<std::unique_ptr<Op>> steps, const RedisOptions& opt,
+                             const std::string& where, std::atomic<std::uint64_t>& coalesced) {
+  auto g = std::make_unique<Group>();
+  std::size_t argc = 3;  // EVALSHA sha numkeys
+  for (const auto& m : steps) argc += 2 + static_cast<std::size_t>(m->step[1] - '0');  // key, step, its arguments
+  const ScriptInfo& many = script(Script::many);
+  const std::string keys = std::to_string(steps.size());
+  g->bytes = fmt::format("*{}\r\n$7\r\nEVALSHA\r\n${}\r\n{}\r\n${}\r\n{}\r\n", argc, many.sha.size(), many.sha,
+                         keys.size(), keys);
+  for (const auto& m : steps) g->bytes.append(m->bytes, m->key_at, m->args_at - m->key_at);
+  for (const auto& m : steps) {
+    g->bytes.append("$2\r\n").append(m->step).append("\r\n");
+    g->bytes.append(m->bytes, m->args_at, m->script_end - m->args_at);
+  }
+  const Op& first = *steps.front();
+  if (first.waits) {  // every step writes, so every one carries the same WAIT
+    g->bytes.append(first.bytes, first.script_end);
+    g->waits = true;
+  }
+  g->script = Script::many;
+  g->what = fmt::format("{} steps in one call (auto-batching; the first: {})", steps.size(), first.what);
+  g->opt = &opt;
+  g->where = &where;
+  coalesced += steps.size();
+  g->members = std::move(steps);
+  return g;
+}
+
+}  // namespace idem::detail::asio_redis
