@@ -26,6 +26,8 @@
 //       Half the events of the other setups (eight processes, two hops);
 //   (f) as (b), on AsyncRedisStore's blocking calls: each consumer's records go through one
 //       multiplexed, pipelined connection (an io thread per consumer), killed and restarted alike;
+//       four threads per consumer handle a read's deliveries at once, so their acquisitions and
+//       completions go out auto-batched (coalesced into shared script calls, counted);
 //   (g) as (b), but each read (XREADGROUP / XAUTOCLAIM, up to 32 entries) goes through
 //       IdempotencyGuard::run_batch (one acquisition round trip, each completion sent as its handler
 //       returns), with the heartbeat on (a read's last entry waits for the handlers before it);
@@ -401,16 +403,16 @@ int worker_main(int argc, char** argv) {
   // (b) and (d): the business transaction records the event id (ON CONFLICT DO NOTHING) and skips
   // the update when it was recorded before (a redelivery after a crash before complete).
   // Returns false when it skipped.
-  auto apply_once = [&](const Entry& e) {
-    biz.exec("BEGIN");
-    auto ins = biz.exec("INSERT INTO " + T + "_applied(event_id) VALUES ($1) ON CONFLICT DO NOTHING", {e.event});
+  auto apply_once = [&](const Entry& e, Pg& db) {
+    db.exec("BEGIN");
+    auto ins = db.exec("INSERT INTO " + T + "_applied(event_id) VALUES ($1) ON CONFLICT DO NOTHING", {e.event});
     const bool fresh = ins.affected() == 1;
     if (fresh) {
-      biz.exec("UPDATE " + T + "_accounts SET balance = balance + $1::bigint WHERE id = $2::int",
-               {e.amount, e.account});
-      biz.exec("INSERT INTO " + T + "_effects(event_id) VALUES ($1)", {e.event});
+      db.exec("UPDATE " + T + "_accounts SET balance = balance + $1::bigint WHERE id = $2::int",
+             {e.amount, e.account});
+      db.exec("INSERT INTO " + T + "_effects(event_id) VALUES ($1)", {e.event});
     }
-    biz.exec("COMMIT");
+    db.exec("COMMIT");
     return fresh;
   };
 
@@ -421,7 +423,7 @@ int worker_main(int argc, char** argv) {
              {e.amount, e.account, e.event});
   };
 
-  auto run_one = [&](const Entry& e) -> idem::Status {
+  auto run_one = [&](const Entry& e, Pg& db) -> idem::Status {
     const std::string payload = e.account + "|" + e.amount;
     if (setup == 'a') {
       if (!pgs) {
@@ -479,13 +481,13 @@ int worker_main(int argc, char** argv) {
     }
     if (setup == 'f') {
       bool skipped = false;
-      auto out = async_guard().run(e.event, payload, [&] { skipped = !apply_once(e); });
+      auto out = async_guard().run(e.event, payload, [&] { skipped = !apply_once(e, db); });
       if (skipped) stats.note('K');
       return out.status;
     }
     if (setup == 'b' || downstream) {
       bool skipped = false;
-      auto out = redis_guard().run(e.event, payload, [&] { skipped = !apply_once(e); });
+      auto out = redis_guard().run(e.event, payload, [&] { skipped = !apply_once(e, db); });
       if (skipped) stats.note('K');
       return out.status;
     }
@@ -494,13 +496,15 @@ int worker_main(int argc, char** argv) {
   };
 
   // Handles one delivery; true = ack it. Store and database errors: back off and retry in place.
-  auto handle = [&](const Entry& e) -> bool {
+  // In (f) several lanes call it at once: a store that must be rebuilt is rebuilt after they join.
+  std::atomic<bool> reset_wanted{false};
+  auto handle = [&](const Entry& e, Pg& db, bool concurrent) -> bool {
     if (e.event.empty()) return true;  // not ours (or deleted): nothing to do
     long long pause = 20;
     const auto give_up = Clock::now() + 20s;
     while (!g_stop && Clock::now() < give_up) {
       try {
-        const idem::Status s = run_one(e);
+        const idem::Status s = run_one(e, db);
         stats.note(status_char(s));
         return s != idem::Status::in_flight;
       } catch (const idem::error& ex) {
@@ -512,12 +516,50 @@ int worker_main(int argc, char** argv) {
         stats.note('B');
       } catch (const std::exception&) {
         stats.note('E');
-        reset_store();
+        if (!concurrent) reset_store();
+        else {
+          reset_wanted = true;
+          return false;
+        }
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(pause));
       pause = std::min<long long>(pause * 2, 500);
     }
     return false;
+  };
+
+  // (f): a read's deliveries are handled by kLanes threads at once, each with its own database
+  // session, all on the consumer's one AsyncRedisStore connection: their acquisitions and
+  // completions meet in its queue and go out coalesced (auto-batching). 'C' counts steps that
+  // shared a script call with another caller's.
+  constexpr size_t kLanes = 4;
+  std::vector<std::unique_ptr<Pg>> lane_db;
+  for (size_t l = 0; l < kLanes; ++l) lane_db.push_back(std::make_unique<Pg>(conninfo));
+  auto handle_lanes = [&](const std::vector<Entry>& entries, std::vector<std::string>& ack) {
+    try {
+      async_guard();
+    } catch (const std::exception&) {
+      stats.note('E');
+      reset_store();
+      std::this_thread::sleep_for(100ms);
+      return;  // the entries stay pending and come back
+    }
+    const auto coalesced_before = as->stats().coalesced;
+    std::vector<char> acked(entries.size(), 0);
+    std::atomic<size_t> next{0};
+    std::vector<std::thread> lanes;
+    for (size_t l = 0; l < kLanes; ++l)
+      lanes.emplace_back([&, l] {
+        for (size_t k; !g_stop && (k = next++) < entries.size();) {
+          stats.note('D');
+          acked[k] = handle(entries[k], *lane_db[l], true) ? 1 : 0;
+        }
+      });
+    for (auto& t : lanes) t.join();
+    for (size_t k = 0; k < entries.size(); ++k)
+      if (acked[k]) ack.push_back(entries[k].id);
+    for (auto n = as->stats().coalesced - coalesced_before; n > 0; --n) stats.note('C');
+    if (reset_wanted.exchange(false)) reset_store();
   };
 
   // (d), (e): the deliveries of one read through run_batch; returns the entry ids to ack. Items whose
@@ -542,7 +584,7 @@ int worker_main(int argc, char** argv) {
         auto res = redis_guard().run_batch(items, [&](const idem::BatchItem& item) {
           const Entry& e = *todo[static_cast<size_t>(&item - items.data())];
           if (setup == 'h') apply_plain(e);
-          else if (!apply_once(e)) stats.note('K');
+          else if (!apply_once(e, biz)) stats.note('K');
         });
         for (size_t k = 0; k < todo.size(); ++k) {
           if (!res.errors[k]) {
@@ -583,11 +625,13 @@ int worker_main(int argc, char** argv) {
     std::vector<std::string> ack{"XACK", stream, kGroup};
     if ((setup == 'g' || setup == 'h') && !g_stop) {
       for (auto& id : handle_batch(entries)) ack.push_back(std::move(id));
+    } else if (setup == 'f') {
+      handle_lanes(entries, ack);
     } else {
       for (const auto& e : entries) {
         if (g_stop) break;
         stats.note('D');
-        if (handle(e)) ack.push_back(e.id);
+        if (handle(e, biz, false)) ack.push_back(e.id);
       }
     }
     if (ack.size() > 3) {
@@ -1018,7 +1062,7 @@ public:
                            "is the truth (balance UPDATE through ctx.tx)",
                            "PostgreSQL transactional mode + transactional outbox -> relays -> Redis Stream -> downstream "
                            "idem consumer (counted downstream)",
-                           "AsyncRedisStore (one multiplexed connection per consumer) + PostgreSQL transaction "
+                           "AsyncRedisStore (one multiplexed connection per consumer, 4 threads on it: auto-batched) + PostgreSQL transaction "
                            "with applied_events ON CONFLICT DO NOTHING",
                            "RedisStore + run_batch per read + PostgreSQL transaction with applied_events ON "
                            "CONFLICT DO NOTHING",
@@ -1032,6 +1076,8 @@ public:
     std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
                 effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
+    if (setup == 'f')
+      std::printf("(%c) steps coalesced into another caller's script call (auto-batching): %lld\n", setup, c['C']);
     if (setup == 'd')
       std::printf("(d) duplicates answered by Redis alone (no PostgreSQL round trip): %lld of %lld (%.1f%%); by "
                   "PostgreSQL: %lld; fast-tier Redis kills (restarted empty): %lld\n",
