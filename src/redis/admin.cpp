@@ -333,6 +333,45 @@ std::optional<AdminRecord> RedisAdmin::inspect(std::string_view key) {
   return Impl::decode(n, std::string(key), r.get());
 }
 
+// One DEL per key, pipelined a page at a time: a DEL of many keys is refused (CROSSSLOT) when a
+// cluster node's page spans slots, and each key's own reply says whether it was there.
+std::size_t RedisAdmin::remove_all() {
+  const std::string match = glob_escape(impl_->opt.key_prefix) + "*";
+  std::size_t deleted = 0;
+  for (auto& n : impl_->nodes) {
+    std::string cursor = "0";
+    do {
+      auto r = checked(n, {"SCAN", cursor, "MATCH", match, "COUNT", "1000"});
+      if (r->type != REDIS_REPLY_ARRAY || r->elements != 2)
+        throw store_error(fmt::format("idem: unexpected SCAN reply from {}", n.name()), "", false);
+      cursor = reply_text(r->element[0]);
+      const redisReply* keys = r->element[1];
+      std::vector<std::vector<std::string>> cmds;
+      cmds.reserve(keys->elements);
+      for (std::size_t i = 0; i < keys->elements; ++i) cmds.push_back({"DEL", reply_text(keys->element[i])});
+      for (const auto& d : pipeline(n, cmds)) {
+        if (d->type == REDIS_REPLY_ERROR) throw_reply(n, "DEL", d.get());
+        deleted += static_cast<std::size_t>(reply_int(d.get()));
+      }
+    } while (cursor != "0");
+  }
+  return deleted;
+}
+
+// Redis 7 says only "The user executing the script can't run this command" when a script is
+// refused a command; run outside a script, the same command's NOPERM names it.
+std::string RedisAdmin::refused_script_command() {
+  const std::string k = impl_->opt.key_prefix + "acl-probe";
+  Node& n = impl_->node_of("acl-probe");
+  const std::vector<std::vector<std::string>> calls{
+      {"TIME"}, {"GET", k}, {"SET", k, "x", "PX", "60000"}, {"PTTL", k}, {"PEXPIRE", k, "60000"}, {"DEL", k}};
+  for (const auto& c : calls) {
+    auto r = command(n, c);
+    if (r->type == REDIS_REPLY_ERROR && reply_text(r.get()).rfind("NOPERM", 0) == 0) return reply_text(r.get());
+  }
+  return {};
+}
+
 std::size_t RedisAdmin::list(const ListFilter& filter, const std::function<bool(const AdminRecord&)>& each) {
   std::size_t passed = 0, corrupt = 0;
   bool stop = false;

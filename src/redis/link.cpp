@@ -163,10 +163,12 @@ bool Link::idle() noexcept {
 
 namespace {
 
-// Whether `to` answers a plain-text PING with RESP (a reply or an error reply), within 500 ms at most.
-bool answers_plain_ping(const Endpoint& to, const RedisOptions& o) {
+// Whether `to` answers a plain-text PING with RESP (a reply or an error reply), within `budget`
+// (at least 50 ms, at most 500 ms). A TLS port never does: it drops a connection whose first
+// bytes are no TLS record.
+bool answers_plain_ping(const Endpoint& to, const RedisOptions& o, millis budget) {
   RedisOptions probe = o;
-  probe.connect_timeout = probe.command_timeout = std::min(o.connect_timeout, millis{500});
+  probe.connect_timeout = probe.command_timeout = std::clamp(budget, millis{50}, millis{500});
   try {
     Link plain = open_connection(to, probe, "Redis", nullptr);
     constexpr std::string_view ping = "PING\r\n";
@@ -196,19 +198,12 @@ Link open_connection(const Endpoint& to, const RedisOptions& opt_, const char* r
                            true);
   Link link{std::move(c), nullptr};
   if (tls == nullptr) return link;
-  try {
-    link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout);
-  } catch (const store_error& e) {
-    // A handshake that stalled or was closed may be a slow network (retry) or a plain-text Redis,
-    // which waits for a newline in the ClientHello's bytes or closes: if the port answers a PING
-    // in plain text, no retry can help.
-    if (!e.retryable() || !answers_plain_ping(to, opt_)) throw;
-    throw connection_error(fmt::format("idem: TLS with {} at {} failed: it is a plain-text port (the handshake "
-                                       "stalled or was closed, and a PING in plain text was answered); use redis:// "
-                                       "for it, or the server's tls-port for rediss://",
-                                       role, at),
-                           "TLS", false);
-  }
+  // A plain-text Redis may stay silent on the handshake, or close: asked over a connection of
+  // its own, it answers a PING, and then no retry can help.
+  link.tls = tls->connect(link->fd, to.host, at, role, opt_.connect_timeout, [&](millis budget) {
+    if (answers_plain_ping(to, opt_, budget))
+      throw_plain_text_port(at, role, "it sent no TLS back to the handshake, and answered a PING in plain text", true);
+  });
   return link;
 }
 

@@ -2,6 +2,7 @@
 
 #include "tls.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -55,6 +56,7 @@ int bio_read(BIO* b, char* buf, int len) {
   do n = ::recv(s->fd_, buf, static_cast<std::size_t>(len), s->nonblocking_ ? MSG_DONTWAIT : 0);
   while (n < 0 && errno == EINTR);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_read(b);
+  if (n > 0) s->heard_ = true;
   return static_cast<int>(n);
 }
 
@@ -133,6 +135,14 @@ std::string verify_failure(long code, const std::string& name) {
 
 }  // namespace
 
+void throw_plain_text_port(const std::string& at, const char* role, std::string_view evidence, bool certain) {
+  throw connection_error(fmt::format("idem: TLS with {} failed: the server at {} does not speak TLS ({}): {} use "
+                                     "redis:// for it, or the server's tls-port for rediss://",
+                                     role, at, evidence,
+                                     certain ? "it is a plain-text port;" : "is it a plain-text port?"),
+                         "TLS", false);
+}
+
 Tls::Tls(const RedisTlsOptions& o) : server_name_(o.server_name), verify_hostname_(o.verify_hostname) {
   check_readable(o.ca_file, "tls.ca_file");
   check_readable(o.ca_dir, "tls.ca_dir", true);
@@ -173,7 +183,7 @@ Tls::Tls(const RedisTlsOptions& o) : server_name_(o.server_name), verify_hostnam
 Tls::~Tls() { SSL_CTX_free(ctx_); }
 
 std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const std::string& at, const char* role,
-                                         millis timeout) const {
+                                         millis timeout, const PlainTextProbe& probe) const {
   std::unique_ptr<TlsSession> s(new TlsSession());
   s->fd_ = fd;
   ERR_clear_error();
@@ -198,6 +208,13 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
   // Non-blocking, so the handshake as a whole (several round trips) is bounded by `timeout`.
   s->nonblocking_ = true;
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  bool probed = !probe;
+  // Once, and only while the server has sent nothing: after any byte of TLS it is no plain port.
+  auto ask_probe = [&] {
+    if (probed || s->heard_) return;
+    probed = true;
+    probe(std::max(millis{0}, std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now())));
+  };
   for (;;) {
     ERR_clear_error();
     errno = 0;
@@ -206,50 +223,57 @@ std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const 
     const int err = SSL_get_error(s->ssl_, rc);
     if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
       const auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
+      // A plain-text Redis that found no newline in the ClientHello says nothing until the
+      // deadline, and a timeout says "retry", which can never help: ask the probe early.
+      const bool early = !probed && !s->heard_ && err == SSL_ERROR_WANT_READ && probe_delay(timeout) < left;
+      const millis wait = early ? probe_delay(timeout) : left;
       pollfd p{fd, static_cast<short>(err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
       int n = 0;
-      if (left.count() > 0) {
-        do n = ::poll(&p, 1, static_cast<int>(left.count()));
+      if (wait.count() > 0) {
+        do n = ::poll(&p, 1, static_cast<int>(wait.count()));
         while (n < 0 && errno == EINTR);
       }
       if (n > 0) continue;
+      ask_probe();
+      if (early) continue;
+      // With the probe asked, a plain-text port is ruled out: only slowness is left to name.
       throw timeout_error(fmt::format("idem: TLS handshake with {} at {} did not complete within connect_timeout ({} "
-                                      "ms): the network is slow, or it is a plain-text port (a Redis without TLS "
-                                      "waits for more of what it takes for a command); retry later, or use redis:// "
-                                      "for a plain-text port",
-                                      role, at, timeout.count()),
+                                      "ms): the network or the server is slow{}; retry later",
+                                      role, at, timeout.count(),
+                                      probe ? ""
+                                            : ", or it is a plain-text port (a Redis without TLS waits for a "
+                                              "newline), which needs redis://"),
                           "TLS", true);
     }
     const long verify = SSL_get_verify_result(s->ssl_);
     if (verify != X509_V_OK)
       refuse(at, role, fmt::format("the server's certificate was refused by the {}", verify_failure(verify, name)));
+    int sys = errno;
     if (err == SSL_ERROR_SSL) {
       const unsigned long e = ERR_peek_error();
       const int reason = ERR_GET_REASON(e);
       const std::string text = openssl_reason();
+      // Bytes that are no TLS record: a plain-text Redis's error reply to the ClientHello's bytes.
       if (reason == SSL_R_WRONG_VERSION_NUMBER || reason == SSL_R_PACKET_LENGTH_TOO_LONG ||
-          reason == SSL_R_UNKNOWN_PROTOCOL ||
-          reason == SSL_R_UNEXPECTED_EOF_WHILE_READING || reason == SSL_R_HTTP_REQUEST)
-        refuse(at, role,
-               fmt::format("it did not answer in TLS ({}): is it a plain-text port? use redis:// for it, or the "
-                           "server's tls-port for rediss://",
-                           text));
+          reason == SSL_R_UNKNOWN_PROTOCOL || reason == SSL_R_HTTP_REQUEST)
+        throw_plain_text_port(at, role, fmt::format("it answered the handshake with bytes that are not TLS: {}", text),
+                              false);
       if (s->certificate_asked_)
         refuse(at, role,
                fmt::format("the server asked for a client certificate and none is configured ({}); with "
                            "tls-auth-clients yes set tls.cert_file and tls.key_file",
                            text));
-      refuse(at, role, fmt::format("the handshake was refused: {}", text.empty() ? "unknown TLS error" : text));
+      // OpenSSL 3 reports a close without close_notify as an error; it is the socket closing.
+      if (reason != SSL_R_UNEXPECTED_EOF_WHILE_READING)
+        refuse(at, role, fmt::format("the handshake was refused: {}", text.empty() ? "unknown TLS error" : text));
+      sys = 0;
     }
-    // The socket failed or closed under the handshake: a closed one is what a plain-text Redis
-    // does with the handshake's bytes, so say so; both may pass, so both are retryable.
-    const int sys = errno;
+    // The socket failed or closed under the handshake. A closed one is also what a plain-text
+    // Redis may do with the handshake's bytes: the probe tells; otherwise it may pass, so retry.
+    ask_probe();
     const std::string why = sys != 0 ? std::strerror(sys) : "the server closed the connection";
-    throw connection_error(fmt::format("idem: TLS handshake with {} at {} failed: {} (a plain-text Redis closes the "
-                                       "connection on a TLS handshake: use redis:// for a plain-text port); retry "
-                                       "later",
-                                       role, at, why),
-                           "", true);
+    throw connection_error(fmt::format("idem: TLS handshake with {} at {} failed: {}; retry later", role, at, why), "",
+                           true);
   }
   s->nonblocking_ = false;
   return s;

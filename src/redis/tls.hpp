@@ -6,8 +6,12 @@
 // Errors: a check that failed (certificate, host name, protocol, a plain-text server) is a
 // connection_error with code "TLS", not retryable; a socket that failed is an ordinary,
 // retryable connection_error, and a handshake that ran out of connect_timeout a timeout_error.
+// A plain-text Redis given a ClientHello answers an error (seen at once as not TLS), closes, or
+// waits for a newline: the handshake asks its caller's probe early rather than wait that out.
 
+#include <algorithm>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -30,11 +34,19 @@ public:
   Tls(const Tls&) = delete;
   Tls& operator=(const Tls&) = delete;
 
+  // Asked once when the server has sent nothing back within probe_delay, or closed without a byte:
+  // throws when the port turns out to speak plain text, else returns; `budget` is the time left.
+  using PlainTextProbe = std::function<void(millis budget)>;
+
   // The handshake on `fd` (connected by hiredis), bounded by `timeout` as a whole. `host` is the
   // name dialled (SNI and the name checked, unless server_name is set); `at` and `role` name the
-  // server in messages.
+  // server in messages. `probe` (may be empty) tells a silent plain-text port from a slow server.
   std::unique_ptr<TlsSession> connect(int fd, const std::string& host, const std::string& at, const char* role,
-                                      millis timeout) const;
+                                      millis timeout, const PlainTextProbe& probe = {}) const;
+
+  // How long a silent handshake waits before the probe: a TLS server answers a ClientHello within
+  // a round trip, and the probe costs a connection the TLS server refuses (and may log).
+  static millis probe_delay(millis timeout) noexcept { return std::min(timeout / 4, millis{250}); }
 
 private:
   ssl_ctx_st* ctx_ = nullptr;
@@ -42,6 +54,11 @@ private:
   bool verify_hostname_ = true;
   bool has_cert_ = false;
 };
+
+// The refusal of a port that does not speak TLS (connection_error "TLS", not retryable): `evidence`
+// says what showed it, the message what to use instead.
+[[noreturn]] void throw_plain_text_port(const std::string& at, const char* role, std::string_view evidence,
+                                        bool certain);
 
 class TlsSession {
 public:
@@ -70,6 +87,7 @@ public:
   int fd_ = -1;
   bool nonblocking_ = false;
   bool certificate_asked_ = false;
+  bool heard_ = false;  // the server sent a byte: it is not silent
 
 private:
   friend class Tls;

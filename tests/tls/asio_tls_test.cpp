@@ -117,6 +117,28 @@ TEST_CASE("AsyncRedisStore over TLS: an unknown CA and a wrong host name fail cl
   CHECK_THAT(e.what(), Catch::Contains("host name"));
 }
 
+// A plain-text port answers the ClientHello with an error or waits for a newline: either way a
+// TLS refusal naming the cause, well before connect_timeout, and not retryable.
+TEST_CASE("AsyncRedisStore over rediss:// at a plain-text port fails closed at once, not retryable",
+          "[asio][tls][fail]") {
+  IoThread io;
+  idem::test::RedisServer real;
+  idem::tlstest::SilentServer silent(true);
+  for (const int port : {real.port(), real.port(), real.port(), real.port(), silent.port()}) {
+    idem::RedisOptions o;
+    o.url = "rediss://127.0.0.1:" + std::to_string(port) + "?tls_ca_file=" + cert("ca.crt");
+    o.connect_timeout = 10s;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto e = construction_error([&] { idem::AsyncRedisStore s(io.io.get_executor(), o); });
+    INFO(e.what());
+    CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+    CHECK(e.code() == "TLS");
+    CHECK_FALSE(e.retryable());
+    CHECK_THAT(e.what(), Catch::Contains("the server at 127.0.0.1:" + std::to_string(port) + " does not speak TLS"));
+    CHECK_THAT(e.what(), Catch::Contains("use redis://"));
+  }
+}
+
 #ifdef IDEM_TEST_OUTBOX
 #include "idem/outbox/redis_streams_publisher.hpp"
 

@@ -235,23 +235,70 @@ TEST_CASE("mutual TLS: a client without a certificate fails closed, one with it 
   CHECK_FALSE(s.inspect("tls-mtls"));
 }
 
-TEST_CASE("a TLS client on a plain-text port fails closed, within connect_timeout", "[redis][tls][fail]") {
-  idem::test::RedisServer plain;
-  idem::RedisOptions o = plain.options();
-  o.connect_timeout = 1000ms;
-  o.tls.enabled = true;
-  o.tls.ca_file = cert("ca.crt");
-  const auto t0 = std::chrono::steady_clock::now();
-  const auto e = construction_error([&] { idem::RedisStore s(o); });
-  CHECK(std::chrono::steady_clock::now() - t0 < 4s);
+// rediss:// at a plain-text port: a TLS refusal that names the cause, long before connect_timeout
+// (a timeout would say "retry", which can never help), for the store and the admin alike.
+void check_plain_text_refusal(const Caught& e, std::chrono::steady_clock::duration took, const std::string& at) {
   INFO(e.what());
-  // What a plain Redis does with a ClientHello depends on its random bytes: it answers an error
-  // (not TLS), closes, or waits for a newline that never comes; each says it may be plain text.
-  CHECK_THAT(e.what(), Catch::Contains("TLS"));
-  CHECK_THAT(e.what(), Catch::Contains("plain-text port"));
-  // Whichever it did, the port answers a plain PING: a TLS refusal, which no retry can help.
+  CHECK(e.connection);
   CHECK(e.code == "TLS");
   CHECK_FALSE(e.retryable);
+  CHECK_THAT(e.what(), Catch::Contains("the server at " + at + " does not speak TLS"));
+  CHECK_THAT(e.what(), Catch::Contains("plain-text port"));
+  CHECK_THAT(e.what(), Catch::Contains("use redis://"));
+  CHECK(took < 2s);  // connect_timeout is 10 s
+}
+
+template <class F>
+void check_plain_text_port(const idem::RedisOptions& o, F&& open) {
+  const std::string at = "127.0.0.1:" + std::to_string(o.port);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto e = construction_error([&] { open(o); });
+  check_plain_text_refusal(e, std::chrono::steady_clock::now() - t0, at);
+}
+
+TEST_CASE("a TLS client on a plain-text port fails closed at once, not retryable", "[redis][tls][fail]") {
+  auto tls_to = [](int port) {
+    idem::RedisOptions o;
+    o.host = "127.0.0.1";
+    o.port = port;
+    o.connect_timeout = 10s;
+    o.tls.enabled = true;
+    o.tls.ca_file = cert("ca.crt");
+    return o;
+  };
+  const auto store = [](const idem::RedisOptions& o) { idem::RedisStore s(o); };
+  const auto admin = [](const idem::RedisOptions& o) { idem::RedisAdmin a(o); };
+  SECTION("a real redis-server: it answers the ClientHello with an error, or waits for a newline") {
+    // Which one depends on the handshake's random bytes: several tries meet both.
+    idem::test::RedisServer plain;
+    for (int i = 0; i < 6; ++i) {
+      check_plain_text_port(tls_to(plain.port()), store);
+      check_plain_text_port(tls_to(plain.port()), admin);
+    }
+    // The URL as the tool and the stores take it.
+    idem::RedisOptions url;
+    url.url = "rediss://127.0.0.1:" + std::to_string(plain.port()) + "?tls_ca_file=" + cert("ca.crt");
+    url.connect_timeout = 10s;
+    check_plain_text_port(idem::parse_redis_url(url.url, url), store);
+  }
+  SECTION("a silent plain-text port: the PING probe tells it from a slow server") {
+    idem::tlstest::SilentServer plain(true);
+    check_plain_text_port(tls_to(plain.port()), store);
+    check_plain_text_port(tls_to(plain.port()), admin);
+    CHECK(plain.accepted() == 4);  // each handshake and its probe
+  }
+  SECTION("a server that answers nothing at all stays a retryable timeout") {
+    idem::tlstest::SilentServer mute(false);
+    idem::RedisOptions o = tls_to(mute.port());
+    o.connect_timeout = 600ms;
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto e = construction_error([&] { idem::RedisStore s(o); });
+    INFO(e.what());
+    CHECK(e.timeout);
+    CHECK(e.retryable);
+    CHECK(std::chrono::steady_clock::now() - t0 >= 600ms);
+    CHECK(std::chrono::steady_clock::now() - t0 < 3s);
+  }
 }
 
 TEST_CASE("a plain-text client on a TLS-only port fails fast and says to use rediss://", "[redis][tls][fail]") {
@@ -341,30 +388,12 @@ TEST_CASE("secrets never appear in error messages or observer warnings", "[redis
   }
 }
 
-// Three TLS-only masters, the cluster bus over TLS too (tls-cluster yes), slots split by
-// CLUSTER ADDSLOTSRANGE and the nodes introduced by CLUSTER MEET, all through the Unix sockets.
+// Three TLS-only masters (tls_support.hpp's TlsCluster): the store and the admin reach each.
 TEST_CASE("Redis Cluster over TLS: every node connection is TLS", "[redis][tls][cluster]") {
-  const std::vector<std::string> cluster{"cluster-enabled yes", "tls-cluster yes", "cluster-config-file nodes.conf",
-                                         "cluster-node-timeout 5000"};
-  std::vector<std::unique_ptr<TlsRedisServer>> nodes;
-  for (int i = 0; i < 3; ++i) nodes.push_back(std::make_unique<TlsRedisServer>(TlsServerConfig{"server", "no", cluster}));
-  const int ranges[3][2] = {{0, 5460}, {5461, 10922}, {10923, 16383}};
-  for (int i = 0; i < 3; ++i)
-    REQUIRE(nodes[i]->command({"CLUSTER", "ADDSLOTSRANGE", std::to_string(ranges[i][0]), std::to_string(ranges[i][1])}) ==
-            "OK");
-  for (int i = 1; i < 3; ++i)
-    REQUIRE(nodes[0]->command({"CLUSTER", "MEET", "127.0.0.1", std::to_string(nodes[i]->port())}) == "OK");
-  const auto deadline = std::chrono::steady_clock::now() + 30s;
-  auto ok = [&] {
-    for (auto& n : nodes)
-      if (n->command({"CLUSTER", "INFO"}).find("cluster_state:ok") == std::string::npos) return false;
-    return true;
-  };
-  while (!ok() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(100ms);
-  REQUIRE(ok());
-
+  idem::tlstest::TlsCluster cluster;
+  auto& nodes = cluster.nodes;
   idem::RedisOptions o = nodes[0]->options();
-  o.url = "redis-cluster://127.0.0.1:" + std::to_string(nodes[1]->port()) + "?tls=yes";
+  o.url = cluster.url();
   idem::RedisStore store(o);
   const std::string ns = "tls-cluster-" + idem::test::random_hex() + ":";
   for (int i = 0; i < 60; ++i) {
@@ -374,15 +403,17 @@ TEST_CASE("Redis Cluster over TLS: every node connection is TLS", "[redis][tls][
   }
   std::string where = store.client()->address();
   for (auto& n : nodes) CHECK_THAT(where, Catch::Contains(std::to_string(n->port())));  // a client per master
-  long long keys = 0;
-  for (auto& n : nodes) {
-    const std::string info = n->command({"INFO", "keyspace"});
-    const auto at = info.find("keys=");
-    const long long here = at == std::string::npos ? 0 : std::stoll(info.substr(at + 5));
-    CHECK(here > 0);  // every master holds some of them
-    keys += here;
-  }
-  CHECK(keys == 60);
+  for (auto& n : nodes) CHECK(idem::tlstest::TlsCluster::keys_on(*n) > 0);  // every master holds some of them
+  CHECK(cluster.keys() == 60);
+
+  // RedisAdmin deletes a prefix's keys on every master, and nothing outside it.
+  REQUIRE(store.acquire("kept", params(99)).status == idem::AcquireStatus::acquired);
+  idem::RedisOptions scoped = o;
+  scoped.key_prefix = o.key_prefix + ns;
+  idem::RedisAdmin admin(scoped);
+  CHECK(admin.remove_all() == 60);
+  CHECK(cluster.keys() == 1);
+  CHECK(admin.remove_all() == 0);
 
   // Without TLS the same cluster is unreachable, and says why.
   idem::RedisOptions plain;

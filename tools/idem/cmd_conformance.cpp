@@ -6,9 +6,10 @@
 // comes from the suite's own IDEM_CONTRACT_SUITE macro, so a case added to the contract appears
 // here with no edit. Nothing of the user's is touched: Redis cases run under a key prefix of
 // their own (`<--prefix>conformance-<random>:`, inside the application's prefix so an ACL key
-// pattern such as ~idem:* covers it), deleted by SCAN + DEL at the end; PostgreSQL cases run on a
-// table of their own (`<--schema>.idem_conformance_<random>`), created by migrate() and dropped
-// at the end, with the schema too when this run created it. Waits are real sleeps on short leases.
+// pattern such as ~idem:* covers it), deleted at the end through RedisAdmin (SCAN + DEL on every
+// master, over any URL the store takes); PostgreSQL cases run on a table of their own
+// (`<--schema>.idem_conformance_<random>`), created by migrate() and dropped at the end, with the
+// schema too when this run created it. Waits are real sleeps on short leases.
 
 #include <chrono>
 #include <cstdio>
@@ -21,7 +22,6 @@
 #include <vector>
 
 #include <fmt/format.h>
-#include <hiredis/hiredis.h>
 #include <libpq-fe.h>
 
 #include "common.hpp"
@@ -29,6 +29,7 @@
 #include "idem/detail/random.hpp"
 #include "idem/postgres.hpp"
 #include "idem/redis.hpp"
+#include "idem/redis/admin.hpp"
 
 #include "contract_suite.hpp"
 
@@ -135,98 +136,37 @@ std::string hint_for(std::string_view message, bool redis) {
   return "";
 }
 
-// A plain hiredis session as the URL's user, for what the store API has no call for: deleting the
-// run's keys, and asking which command a script was refused. redis:// and unix:// only.
-class RawRedis {
-public:
-  explicit RawRedis(const idem::RedisOptions& o) : c_(nullptr, redisFree) {
-    if (!o.cluster_nodes.empty() || !o.sentinels.empty() || o.tls.enabled) {
-      error_ = "cleanup speaks plain redis:// or unix:// only";
-      return;
-    }
-    const timeval tv{5, 0};
-    c_.reset(o.unix_socket.empty() ? redisConnectWithTimeout(o.host.c_str(), o.port, tv)
-                                   : redisConnectUnixWithTimeout(o.unix_socket.c_str(), tv));
-    if (!c_ || c_->err) {
-      error_ = c_ ? fmt::format("could not connect: {}", c_->errstr) : std::string("could not connect");
-      return;
-    }
-    redisSetTimeout(c_.get(), tv);
-    if (!o.password.empty()) {
-      auto r = o.user.empty() ? cmd({"AUTH", o.password}) : cmd({"AUTH", o.user, o.password});
-      if (auto e = error_of(r.get())) error_ = fmt::format("AUTH failed: {}", *e);
-    }
-    if (error_.empty() && o.db != 0) {
-      auto r = cmd({"SELECT", std::to_string(o.db)});
-      if (auto e = error_of(r.get())) error_ = fmt::format("SELECT failed: {}", *e);
-    }
+// The run's own session as the URL's user, for what the store API has no call for: deleting the
+// run's keys, and asking which command a script was refused. RedisAdmin connects through the
+// stores' one connection factory, so every URL the store took (TLS, Sentinel, Cluster) reaches it.
+std::unique_ptr<idem::RedisAdmin> open_admin(const idem::RedisOptions& o, std::string& error) {
+  try {
+    return std::make_unique<idem::RedisAdmin>(o);
+  } catch (const std::exception& e) {
+    error = e.what();
+    return nullptr;
   }
-  // "" when connected and authenticated.
-  [[nodiscard]] const std::string& error() const { return error_; }
-  std::unique_ptr<redisReply, void (*)(void*)> cmd(const std::vector<std::string>& args) {
-    std::vector<const char*> argv;
-    std::vector<size_t> lens;
-    for (const auto& a : args) {
-      argv.push_back(a.data());
-      lens.push_back(a.size());
-    }
-    return {static_cast<redisReply*>(redisCommandArgv(c_.get(), static_cast<int>(argv.size()), argv.data(), lens.data())),
-            freeReplyObject};
-  }
-  std::optional<std::string> error_of(const redisReply* r) const {
-    if (!r) return std::string(c_->errstr);
-    if (r->type == REDIS_REPLY_ERROR) return std::string(r->str, r->len);
-    return std::nullopt;
-  }
-
-private:
-  std::unique_ptr<redisContext, void (*)(redisContext*)> c_;
-  std::string error_;
-};
-
-// Redis 7 says only "The user executing the script can't run this command" when a script is
-// refused a command: run the ones idem's scripts call, as the same user, to name it.
-std::string refused_script_command(const idem::RedisOptions& o, const std::string& prefix) {
-  RawRedis r(o);
-  if (!r.error().empty()) return "";
-  const std::string k = prefix + "probe";
-  for (const std::vector<std::string>& c : std::initializer_list<std::vector<std::string>>{
-           {"TIME"}, {"GET", k}, {"SET", k, "x", "PX", "60000"}, {"PTTL", k}, {"PEXPIRE", k, "60000"}, {"DEL", k}}) {
-    auto reply = r.cmd(c);
-    if (auto e = r.error_of(reply.get()); e && has(lower(*e), "noperm")) return *e;
-  }
-  return "";
 }
 
-// Deletes every Redis key under `prefix` (SCAN MATCH + DEL); cluster, Sentinel and TLS URLs are
-// left to the keys' own expiry (docs/operations.md).
-std::string redis_cleanup(const idem::RedisOptions& o, const std::string& prefix) {
-  const std::string left = fmt::format(" (keys under '{}' expire by themselves within 10 minutes)", prefix);
-  RawRedis r(o);
-  if (!r.error().empty()) return fmt::format("not done: {}{}", r.error(), left);
-  std::string pattern;
-  for (char ch : prefix) {
-    if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\') pattern += '\\';
-    pattern += ch;
+// Redis 7 names no command when a script is refused one: the user's own session asks which.
+std::string refused_script_command(idem::RedisAdmin* admin) {
+  if (admin == nullptr) return "";
+  try {
+    return admin->refused_script_command();
+  } catch (const std::exception&) {
+    return "";
   }
-  pattern += '*';
-  std::string cursor = "0";
-  std::size_t deleted = 0;
-  do {
-    auto reply = r.cmd({"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"});
-    if (auto e = r.error_of(reply.get())) return fmt::format("SCAN failed: {}{}", *e, left);
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2) return fmt::format("unexpected SCAN reply{}", left);
-    cursor.assign(reply->element[0]->str, reply->element[0]->len);
-    std::vector<std::string> del{"DEL"};
-    for (std::size_t i = 0; i < reply->element[1]->elements; ++i)
-      del.emplace_back(reply->element[1]->element[i]->str, reply->element[1]->element[i]->len);
-    if (del.size() > 1) {
-      auto d = r.cmd(del);
-      if (auto e = r.error_of(d.get())) return fmt::format("DEL failed: {}{}", *e, left);
-      deleted += static_cast<std::size_t>(d->integer);
-    }
-  } while (cursor != "0");
-  return fmt::format("{} keys deleted under '{}'", deleted, prefix);
+}
+
+// Deletes every Redis key under the run's prefix, on every master.
+std::string redis_cleanup(idem::RedisAdmin* admin, const std::string& admin_error, const std::string& prefix) {
+  const std::string left = fmt::format(" (keys under '{}' expire by themselves within 10 minutes)", prefix);
+  if (admin == nullptr) return fmt::format("not done: {}{}", admin_error, left);
+  try {
+    return fmt::format("{} keys deleted under '{}'", admin->remove_all(), prefix);
+  } catch (const std::exception& e) {
+    return fmt::format("not done: {}{}", e.what(), left);
+  }
 }
 
 // A libpq session for the run's own DDL (the store's sessions are its own business).
@@ -369,13 +309,15 @@ int run_redis(const std::string& url, const idem::tool::Globals& g, idem::millis
   }
   auto rows = run_cases(store.get(), setup_error, lease, true);
   store.reset();
+  std::string admin_error;
+  const auto admin = open_admin(o, admin_error);
   std::optional<std::string> refused;
   for (auto& r : rows) {
     if (!has(r.reason, "can't run this command")) continue;
-    if (!refused) refused = refused_script_command(o, prefix);
+    if (!refused) refused = refused_script_command(admin.get());
     if (!refused->empty()) r.hint = fmt::format("{} (as the URL's user: {})", hint_for(*refused, true), *refused);
   }
-  const std::string cleanup = redis_cleanup(o, prefix);
+  const std::string cleanup = redis_cleanup(admin.get(), admin_error, prefix);
   if (!setup_error.empty()) {
     Row r{"connect and load the scripts", false, true, 0, setup_error, hint_for(setup_error, true)};
     rows.insert(rows.begin(), std::move(r));

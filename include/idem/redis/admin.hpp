@@ -21,7 +21,8 @@ namespace idem {
  * each key goes to its slot's master). Reads go through a script that decodes the record with the
  * stores' own codec on the server; release is one script that checks the fence. Not thread-safe.
  * Errors: invalid_options_error (URL), connection_error, store_error (code NOPERM for a missing
- * ACL permission), corrupt_record_error.
+ * ACL permission), corrupt_record_error. remove_all() deletes whatever lies under the prefix,
+ * idem's or not: it is for a prefix of one's own (`idem conformance`'s run), never a live store's.
  */
 class RedisAdmin {
 public:
@@ -45,6 +46,10 @@ public:
   /// The settings that decide whether the guarantee holds: eviction, persistence, replicas, version,
   /// ACL permissions, cluster state.
   std::vector<Finding> doctor();
+  /// Deletes every key under the key prefix on every master (SCAN, one DEL per key); returns how many.
+  std::size_t remove_all();
+  /// Runs the commands the scripts call as the URL's user on a probe key: the first ACL refusal's text, "" if none.
+  std::string refused_script_command();
   /// "host:port" (or the socket) of each master it talks to, comma-separated.
   [[nodiscard]] std::string address() const;
 
