@@ -71,6 +71,16 @@ struct Group final : Op {
     return true;
   }
 
+  std::vector<std::unique_ptr<Op>> dissolve() override {
+    for (auto& m : members) {
+      m->solo = true;
+      m->resent = resent;
+      m->first = first;
+      m->redirects = redirects;
+    }
+    return std::move(members);
+  }
+
   void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
     if (!e && (reply->type != REDIS_REPLY_ARRAY || reply->elements != members.size()))
       e = capture([&] {
@@ -120,6 +130,7 @@ std::unique_ptr<Op> coalesce(std::vector<std::unique_ptr<Op>> steps, const Redis
     g->waits = true;
   }
   g->script = Script::many;
+  g->slot = first.slot;  // the connection groups its steps by slot
   g->what = fmt::format("{} steps in one call (auto-batching; the first: {})", steps.size(), first.what);
   g->opt = &opt;
   g->where = &where;

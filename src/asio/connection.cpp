@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -30,6 +31,7 @@
 #include <fmt/format.h>
 #include <hiredis/hiredis.h>
 
+#include "cluster.hpp"
 #include "idem/core/error.hpp"
 #include "tls.hpp"
 
@@ -51,9 +53,10 @@ struct Internal final : Op {
 
 class Connection : public std::enable_shared_from_this<Connection> {
 public:
-  Connection(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<const Client> factory)
-      : opt_(o), factory_(std::move(factory)), strand_(net::make_strand(ex)), socket_(strand_), timer_(strand_),
-        where_(factory_->where()) {}
+  Connection(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<const Client> factory,
+             std::weak_ptr<Routing> routing)
+      : opt_(o), factory_(std::move(factory)), routing_(std::move(routing)), strand_(net::make_strand(ex)),
+        socket_(strand_), timer_(strand_), where_(factory_->where()) {}
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
   ~Connection() {
@@ -189,7 +192,7 @@ private:
   void connect_failed(const std::exception_ptr& e) {
     drop_socket();
     state_ = State::idle;
-    factory_->doubt_master();
+    doubt();
     std::string text = "no connection";
     try {
       std::rethrow_exception(e);
@@ -217,32 +220,41 @@ private:
     std::size_t n = 0;
     const auto deadline = Clock::now() + opt_.command_timeout;
     auto put = [&](std::unique_ptr<Op> op) {
+      op->asking_sent = op->asking;  // this node imports the slot: it serves the key after ASKING
+      if (op->asking) bytes += "*1\r\n$6\r\nASKING\r\n";
       bytes += op->bytes;
       op->deadline = deadline;
       inflight_.push_back(std::move(op));
       ++n;
     };
-    std::vector<std::unique_ptr<Op>> steps;  // in arrival order
-    std::size_t step_bytes = 0;
-    auto flush = [&] {
-      if (steps.size() == 1) put(std::move(steps.front()));
-      else if (steps.size() > 1) put(coalesce(std::move(steps), opt_, where_, coalesced_));
-      steps.clear();
-      step_bytes = 0;
+    // The steps to coalesce, per slot (one group when not in cluster mode), each in arrival order.
+    struct Steps {
+      int slot;
+      std::vector<std::unique_ptr<Op>> ops;
+      std::size_t bytes = 0;
+    };
+    std::vector<Steps> groups;
+    auto flush = [&](Steps& g) {
+      if (g.ops.size() == 1) put(std::move(g.ops.front()));
+      else if (g.ops.size() > 1) put(coalesce(std::move(g.ops), opt_, where_, coalesced_));
+      g.ops.clear();
+      g.bytes = 0;
     };
     while (!queued_.empty()) {
       std::unique_ptr<Op> op = std::move(queued_.front());
       queued_.pop_front();
-      // A resent step stays alone: its in-doubt handling is its own.
-      if (op->step == nullptr || op->resent || opt_.auto_batch <= 1) {
+      // A resent step stays alone: its in-doubt handling is its own; so does one sent after ASKING.
+      if (op->step == nullptr || op->resent || op->asking || op->solo || opt_.auto_batch <= 1) {
         put(std::move(op));
         continue;
       }
-      step_bytes += op->script_end - op->key_at;
-      steps.push_back(std::move(op));
-      if (steps.size() >= opt_.auto_batch || step_bytes >= max_coalesced_bytes) flush();
+      auto g = std::find_if(groups.begin(), groups.end(), [&](const Steps& x) { return x.slot == op->slot; });
+      if (g == groups.end()) g = groups.insert(groups.end(), Steps{op->slot, {}});
+      g->bytes += op->script_end - op->key_at;
+      g->ops.push_back(std::move(op));
+      if (g->ops.size() >= opt_.auto_batch || g->bytes >= max_coalesced_bytes) flush(*g);
     }
-    flush();
+    for (auto& g : groups) flush(g);
     send_bytes(std::move(bytes), n);
   }
 
@@ -350,6 +362,10 @@ private:
         return false;
       }
       Op& front = *inflight_.front();
+      if (front.asking_sent) {  // ASKING's +OK; the request's own reply comes next
+        front.asking_sent = false;
+        continue;
+      }
       if (front.waits && !front.script_reply) {  // the script's reply; its WAIT's comes next
         front.script_reply = std::move(reply);
         continue;
@@ -373,6 +389,13 @@ private:
 
   void deliver(std::unique_ptr<Op> op, ReplyPtr reply) {
     if (op->internal) return;  // a reload: the request sent after it answers for both
+    if (op->slot >= 0 && is_rerouted(reply.get())) {
+      // Cluster: MOVED, ASK or TRYAGAIN ran nothing here; the router sends it where it belongs.
+      if (auto r = routing_.lock()) {
+        op->script_reply.reset();
+        return r->reroute(std::move(op), std::move(reply));
+      }
+    }
     if (is_noscript(reply.get()) && !op->reloaded) {
       // SCRIPT FLUSH or a restart under us: the call ran nothing. SCRIPT LOAD goes first in the
       // next write and the call right after it; a second NOSCRIPT is an error.
@@ -436,7 +459,7 @@ private:
   void broken(IoFailure f) {
     drop_socket();
     state_ = State::idle;
-    factory_->doubt_master();
+    doubt();
     auto doubt = std::move(inflight_);
     inflight_.clear();
     for (auto it = doubt.rbegin(); it != doubt.rend(); ++it) {
@@ -455,6 +478,11 @@ private:
       }
     }
     if (!queued_.empty() && !closed_) connect();
+  }
+
+  void doubt() noexcept {
+    factory_->doubt_master();
+    if (auto r = routing_.lock()) r->doubt();
   }
 
   void drop_socket() {
@@ -477,6 +505,7 @@ private:
 
   RedisOptions opt_;
   std::shared_ptr<const Client> factory_;
+  std::weak_ptr<Routing> routing_;  // cluster mode: the router (engine.cpp)
   net::strand<net::any_io_executor> strand_;
   net::generic::stream_protocol::socket socket_;  // a dup of link_'s socket, for the loop's waits and plain I/O
   net::steady_timer timer_;
@@ -501,8 +530,8 @@ private:
 };
 
 std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const RedisOptions& o,
-                                            std::shared_ptr<const Client> factory) {
-  return std::make_shared<Connection>(std::move(ex), o, std::move(factory));
+                                            std::shared_ptr<const Client> factory, std::weak_ptr<Routing> routing) {
+  return std::make_shared<Connection>(std::move(ex), o, std::move(factory), std::move(routing));
 }
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
 void shutdown(Connection& c) { c.shutdown(); }

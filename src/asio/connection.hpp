@@ -43,6 +43,9 @@ struct Op {
   // With `waits`: true when the op checks the WAIT's reply itself (a coalesced call, per member)
   // and has taken it; false leaves the check to the connection.
   virtual bool keeps_wait(ReplyPtr& /*wait*/) noexcept { return false; }
+  // A coalesced call: its steps, taken out to be sent alone (each keeps the call's resend state);
+  // empty for one caller's request.
+  virtual std::vector<std::unique_ptr<Op>> dissolve() { return {}; }
 
   std::string bytes;
   std::string what;           // "acquire of key 'k'", for messages
@@ -62,6 +65,23 @@ struct Op {
   std::uint32_t key_at = 0;      // the key's bulk string
   std::uint32_t args_at = 0;     // the first argument's (they run to script_end)
   std::uint32_t script_end = 0;  // the end of the EVALSHA (a WAIT may follow it)
+  // Cluster mode: the slot of the key (a coalesced call carries one slot's steps only, as the
+  // server runs a script on one slot), ASKING to send before it (an ASK answer: once, to the
+  // slot's importing node), and how many redirections it has followed.
+  int slot = -1;
+  bool asking = false;
+  bool asking_sent = false;  // ASKING went before it in this write: its +OK comes first
+  int redirects = 0;
+  bool solo = false;  // never coalesced again: its coalesced call met a slot split by a migration
+};
+
+// Cluster mode: what a node's connection hands back to the router instead of answering the caller.
+struct Routing {
+  virtual ~Routing() = default;
+  // `op` was answered MOVED, ASK or TRYAGAIN (`reply`): it ran nothing there.
+  virtual void reroute(std::unique_ptr<Op> op, ReplyPtr reply) = 0;
+  // A node's connection broke or could not be opened: the slot map may be out of date.
+  virtual void doubt() noexcept = 0;
 };
 
 // Auto-batching (coalesce.cpp). Marks `op` (its `bytes` the single-key EVALSHA of `s`, before
@@ -102,13 +122,27 @@ struct Call final : Op {
 class Connection;
 
 // A connection to the server of `o` on a strand of `ex`, opened through `factory` (the blocking
-// client's connection factory) on the first request and after each break.
+// client's connection factory) on the first request and after each break. With `routing`
+// (cluster mode), redirected requests go back to it.
 std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, const RedisOptions& o,
-                                            std::shared_ptr<const Client> factory);
+                                            std::shared_ptr<const Client> factory,
+                                            std::weak_ptr<Routing> routing = {});
 // Queues `op` (any thread); its finish() runs on the connection's strand.
 void submit(Connection& c, std::unique_ptr<Op> op);
 // Fails every pending request and closes the socket (the store is going away).
 void shutdown(Connection& c);
 AsyncRedisStats stats(const Connection& c) noexcept;
+
+// What AsyncRedisStore sends through (engine.cpp): the one connection to a server (plain,
+// TLS, Sentinel), or in cluster mode one connection per master, requests routed by slot.
+class Engine;
+// `client` is the store's blocking client: the connection factory, and in cluster mode the
+// slot map.
+std::shared_ptr<Engine> make_engine(boost::asio::any_io_executor ex, const RedisOptions& o,
+                                    std::shared_ptr<Client> client);
+// Sends `op` (any thread) to the server, or to the master of op->slot.
+void submit(Engine& e, std::unique_ptr<Op> op);
+void shutdown(Engine& e);
+AsyncRedisStats stats(const Engine& e) noexcept;
 
 }  // namespace idem::detail::asio_redis

@@ -12,24 +12,17 @@
 #include "connection.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
+#include "idem/redis/hash_slot.hpp"
 #include "store_requests.hpp"
 
 namespace idem::detail::asio_redis {
 
 namespace {
 
-RedisOptions checked(RedisOptions o) {
-  o = resolve_options(std::move(o));
-  if (!o.cluster_nodes.empty())
-    throw invalid_options_error(
-        "idem: AsyncRedisStore does not support Redis Cluster (redis-cluster://, RedisOptions::cluster_nodes) yet; "
-        "use RedisStore (blocking) for it");
-  return o;
-}
-
-// The blocking client whose connection factory opens the store's connection (TLS, AUTH, SELECT,
-// Sentinel discovery and ROLE check: the same code as RedisStore's). Its constructor makes the
-// connection check RedisStore makes, and check_server reads the limits.
+// The blocking client whose connection factory opens the store's connections (TLS, AUTH, SELECT,
+// Sentinel discovery and ROLE check: the same code as RedisStore's; in cluster mode its slot map
+// and one client per master). Its constructor makes the connection check RedisStore makes, and
+// check_server reads the limits.
 std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits) {
   RedisOptions one = o;
   one.url.clear();
@@ -41,8 +34,9 @@ std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits) {
 
 template <class T, class Parse>
 std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s, std::string what,
-                            const std::string& wait) {
+                            const std::string& wait, const RedisOptions& o, std::string_view key) {
   auto op = std::make_unique<Call<T, Parse>>(std::move(done), std::move(parse));
+  if (!o.cluster_nodes.empty()) op->slot = redis_hash_slot(o.key_prefix + std::string(key));
   op->bytes.assign(cmd.format().view());
   locate_step(*op, s);
   if (!wait.empty() && !reads_only(s)) {
@@ -65,27 +59,27 @@ std::string what_of(Script s, std::string_view key) {
 
 namespace idem {
 
-using detail::asio_redis::Connection;
+using detail::asio_redis::Engine;
 using detail::asio_redis::request;
 using detail::asio_redis::what_of;
 using detail::redis::Command;
 using detail::redis::Script;
 
 AsyncRedisStore::AsyncRedisStore(executor_type ex, RedisOptions options)
-    : ex_(std::move(ex)), options_(detail::asio_redis::checked(std::move(options))),
-      conn_(detail::asio_redis::make_connection(ex_, options_, detail::asio_redis::factory_of(options_, limits_))) {
+    : ex_(std::move(ex)), options_(detail::redis::resolve_options(std::move(options))),
+      engine_(detail::asio_redis::make_engine(ex_, options_, detail::asio_redis::factory_of(options_, limits_))) {
   if (options_.min_replica_acks > 0)
     wait_.assign(Command().arg("WAIT").arg(options_.min_replica_acks).arg(options_.replica_ack_timeout.count()).format().view());
 }
 
-AsyncRedisStore::~AsyncRedisStore() { detail::asio_redis::shutdown(*conn_); }
+AsyncRedisStore::~AsyncRedisStore() { detail::asio_redis::shutdown(*engine_); }
 
-AsyncRedisStats AsyncRedisStore::stats() const noexcept { return detail::asio_redis::stats(*conn_); }
+AsyncRedisStats AsyncRedisStore::stats() const noexcept { return detail::asio_redis::stats(*engine_); }
 
 // Input errors complete the call through its handler, as a store error would: the caller's
 // token decides how it sees them (thrown by co_await, passed to a callback).
 template <class T, class Make>
-static void submit_checked(Connection& c, detail::asio_redis::DonePtr<T>& done, Make&& make) {
+static void submit_checked(Engine& c, detail::asio_redis::DonePtr<T>& done, Make&& make) {
   std::unique_ptr<detail::asio_redis::Op> op;
   std::exception_ptr e = detail::asio_redis::capture([&] { op = make(); });
   if (e) return done->complete(e, T{});
@@ -136,49 +130,49 @@ std::optional<Record> AsyncRedisStore::inspect(std::string_view key) {
 }
 
 void AsyncRedisStore::submit_acquire(std::string_view key, const AcquireParams& p, DonePtr<AcquireResult> done) {
-  submit_checked<AcquireResult>(*conn_, done, [&] {
+  submit_checked<AcquireResult>(*engine_, done, [&] {
     Command cmd = detail::redis::acquire_command(options_, key, p);
     return request<AcquireResult>(
         std::move(done),
         [k = std::string(key), t = p.token](const redisReply* r) { return detail::redis::parse_acquire(r, k, t); }, cmd,
-        Script::acquire, what_of(Script::acquire, key), wait_);
+        Script::acquire, what_of(Script::acquire, key), wait_, options_, key);
   });
 }
 
 void AsyncRedisStore::submit_complete(std::string_view key, const Holder& h, std::string_view text, millis retention,
                                       bool unavailable, DonePtr<WriteStatus> done) {
-  submit_checked<WriteStatus>(*conn_, done, [&] {
+  submit_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::complete_command(options_, key, h, text, retention, unavailable);
     return request<WriteStatus>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "complete", k); },
-        cmd, Script::complete, what_of(Script::complete, key), wait_);
+        cmd, Script::complete, what_of(Script::complete, key), wait_, options_, key);
   });
 }
 
 void AsyncRedisStore::submit_fail(std::string_view key, const Holder& h, const FailParams& f, DonePtr<WriteStatus> done) {
-  submit_checked<WriteStatus>(*conn_, done, [&] {
+  submit_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::fail_command(options_, key, h, f);
     return request<WriteStatus>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "fail", k); },
-        cmd, Script::fail, what_of(Script::fail, key), wait_);
+        cmd, Script::fail, what_of(Script::fail, key), wait_, options_, key);
   });
 }
 
 void AsyncRedisStore::submit_extend(std::string_view key, const Holder& h, millis lease, DonePtr<WriteStatus> done) {
-  submit_checked<WriteStatus>(*conn_, done, [&] {
+  submit_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::extend_command(options_, key, h, lease);
     return request<WriteStatus>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "extend", k); },
-        cmd, Script::extend, what_of(Script::extend, key), wait_);
+        cmd, Script::extend, what_of(Script::extend, key), wait_, options_, key);
   });
 }
 
 void AsyncRedisStore::submit_inspect(std::string_view key, DonePtr<std::optional<Record>> done) {
-  submit_checked<std::optional<Record>>(*conn_, done, [&] {
+  submit_checked<std::optional<Record>>(*engine_, done, [&] {
     Command cmd = detail::redis::inspect_command(options_, key);
     return request<std::optional<Record>>(
         std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_inspect(r, k); }, cmd,
-        Script::inspect, what_of(Script::inspect, key), wait_);
+        Script::inspect, what_of(Script::inspect, key), wait_, options_, key);
   });
 }
 

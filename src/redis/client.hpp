@@ -155,6 +155,7 @@ Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sen
                          std::size_t& first);
 
 class Cluster;
+struct Redirect;
 
 class Client {
 public:
@@ -179,6 +180,11 @@ public:
   // Cluster mode: the master that serves `slot` now, and a routed call (Writes uses both).
   std::shared_ptr<Client> cluster_owner(int slot);
   ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot);
+  // Cluster mode, for a caller that routes by itself (AsyncRedisStore): the node at `at`, a
+  // MOVED or ASK it was answered (MOVED updates the map), a node that failed under it.
+  std::shared_ptr<Client> cluster_node(const Endpoint& at);
+  void cluster_redirected(const Redirect& to);
+  void cluster_doubt() noexcept;
 
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);

@@ -285,6 +285,11 @@ void Cluster::moved(const Redirect& to) {
   suspect();  // slots move together: read the whole map again (at most every 50 ms)
 }
 
+void Cluster::redirected(const Redirect& to) {
+  if (to.ask) ask_.fetch_add(1);
+  else moved(to);
+}
+
 ReplyPtr Cluster::eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot) {
   return routed(slot, script(s).name,
                 [&](Client& node, bool asking) { return node.eval_at(s, req, hints, resend, asking); });

@@ -65,6 +65,11 @@ public:
   ReplyPtr call(const Request& req, const char* during, int slot);
   // The settings of every master, the least safe first (what RedisStore checks at construction).
   ServerConfig server_config();
+  // For a caller that routes by itself (AsyncRedisStore): the node at `at` (an ASK target), a
+  // redirection heard (MOVED updates the map), and a node that failed under a call.
+  std::shared_ptr<Client> node(const Endpoint& at) { return node_at(at); }
+  void redirected(const Redirect& to);
+  void doubt() noexcept { suspect(); }
   // The masters of the current map, "host:port,host:port,...".
   [[nodiscard]] std::string masters() const;
   void add_stats(RedisClientStats& s) const noexcept;

@@ -222,10 +222,15 @@ TEST_CASE("AsyncRedisStore: SCRIPT FLUSH under load reloads and resends", "[asio
 
 TEST_CASE("AsyncRedisStore: bad configuration is refused at construction", "[asio]") {
   IoThread io;
-  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "redis-cluster://127.0.0.1:7000"}),
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), {.url = "redis-cluster://127.0.0.1:7000", .max_redirects = 0}),
                   idem::invalid_options_error);
-  // Sentinel and TLS go through RedisStore's connection factory: no sentinel answering is a
-  // retryable connection_error; rediss:// at a plain-text port is a TLS error no retry can help.
+  // Cluster, Sentinel and TLS go through RedisStore's connection factory: no seed or sentinel
+  // answering is a retryable connection_error; rediss:// at a plain-text port is a TLS error no
+  // retry can help.
+  idem::RedisOptions cluster;
+  cluster.url = fmt::format("redis-cluster://127.0.0.1:{}", idem::test::free_port());
+  cluster.connect_timeout = 300ms;
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), cluster), idem::connection_error);
   idem::RedisOptions sentinel;
   sentinel.url = fmt::format("redis-sentinel://127.0.0.1:{}/mymaster", idem::test::free_port());
   sentinel.connect_timeout = 300ms;

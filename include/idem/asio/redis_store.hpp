@@ -64,7 +64,7 @@ private:
   boost::asio::executor_work_guard<boost::asio::associated_executor_t<Handler, boost::asio::any_io_executor>> work_;
 };
 
-class Connection;
+class Engine;
 
 }  // namespace detail::asio_redis
 
@@ -92,8 +92,10 @@ class Connection;
  * the loop never blocks, then driven by the loop. The constructor connects once to check the
  * address, credentials and settings exactly as RedisStore does (an evicting maxmemory-policy is
  * refused). With min_replica_acks each write carries its WAIT in the same write, as RedisStore's
- * do (durability_error when too few replicas have it). Redis Cluster is refused
- * (invalid_options_error): use RedisStore for it.
+ * do (durability_error when too few replicas have it). With Redis Cluster (redis-cluster://) it
+ * keeps one such connection per master, sends each call to the master of its key's slot and
+ * follows MOVED, ASK and TRYAGAIN (at most max_redirects times); auto-batching then coalesces the
+ * steps of one slot only.
  *
  * @code
  * boost::asio::io_context io;
@@ -208,7 +210,7 @@ private:
   RedisOptions options_;
   StoreLimits limits_;
   std::string wait_;  // `WAIT n timeout`, sent after each write with min_replica_acks; else empty
-  std::shared_ptr<detail::asio_redis::Connection> conn_;
+  std::shared_ptr<detail::asio_redis::Engine> engine_;
 };
 
 }  // namespace idem

@@ -1,0 +1,158 @@
+// AsyncRedisStore's engine (connection.hpp): the one connection to a server (plain, TLS,
+// Sentinel), or in cluster mode one connection per master, each request sent to the master of its
+// key's slot. A request answered MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back
+// here and it goes where the answer says (MOVED also fixes the slot map the blocking client keeps),
+// at most max_redirects times.
+//
+// The slot map is the blocking client's (src/redis/cluster.cpp): reading it again after a MOVED
+// or a broken connection is a blocking CLUSTER SLOTS on the thread that routes next (a caller, or
+// the io thread for a redirected request), at most every 50 ms.
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include <boost/asio/steady_timer.hpp>
+#include <fmt/format.h>
+
+#include "cluster.hpp"
+#include "connection.hpp"
+#include "idem/core/error.hpp"
+
+namespace idem::detail::asio_redis {
+
+namespace net = boost::asio;
+
+class Engine final : public Routing, public std::enable_shared_from_this<Engine> {
+public:
+  Engine(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> client)
+      : ex_(std::move(ex)), opt_(o), client_(std::move(client)) {
+    if (!client_->clustered()) single_ = make_connection(ex_, opt_, client_);
+  }
+
+  void submit(std::unique_ptr<Op> op) {
+    if (single_) return asio_redis::submit(*single_, std::move(op));
+    route(std::move(op), nullptr);
+  }
+
+  void shutdown() {
+    if (single_) return asio_redis::shutdown(*single_);
+    std::unordered_map<const Client*, Node> nodes;
+    {
+      std::lock_guard lk(mu_);
+      closed_ = true;
+      nodes.swap(nodes_);
+    }
+    for (auto& [_, n] : nodes) asio_redis::shutdown(*n.conn);
+  }
+
+  AsyncRedisStats stats() const noexcept {
+    if (single_) return asio_redis::stats(*single_);
+    AsyncRedisStats sum;
+    std::lock_guard lk(mu_);
+    for (const auto& [_, n] : nodes_) {
+      const AsyncRedisStats s = asio_redis::stats(*n.conn);
+      sum.requests += s.requests;
+      sum.writes += s.writes;
+      sum.connects += s.connects;
+      sum.resent += s.resent;
+      sum.reloads += s.reloads;
+      sum.coalesced += s.coalesced;
+    }
+    return sum;
+  }
+
+  void reroute(std::unique_ptr<Op> op, ReplyPtr reply) override {
+    const std::string text(reply_text(reply.get()));
+    if (++op->redirects > opt_.max_redirects) {
+      auto e = capture([&] {
+        throw store_error(fmt::format("idem: the Redis Cluster redirected the {} of slot {} {} times "
+                                      "(RedisOptions::max_redirects), the last answer: {}; a slot is moving or the "
+                                      "map is inconsistent: retry later",
+                                      op->what, op->slot, op->redirects - 1, text),
+                          "REDIRECTS", true);
+      });
+      return fail(std::move(op), e);
+    }
+    const std::optional<Redirect> to = parse_redirect(text);
+    if (to) client_->cluster_redirected(*to);
+    op->asking = to && to->ask;  // ASK: this sending only, to the node importing the slot
+    if (to) return route(std::move(op), to->ask ? &to->to : nullptr);
+    // TRYAGAIN: a slot in migration holds some of a coalesced call's keys and not the others.
+    // The callers did not ask for one call: each step goes alone (served by the source, or ASK).
+    if (auto steps = op->dissolve(); !steps.empty()) {
+      for (auto& m : steps) route(std::move(m), nullptr);
+      return;
+    }
+    // One key's own call (a resharding tool's multi-step move): later, then, not at once.
+    const auto delay = std::chrono::milliseconds(std::min(5 << std::min(op->redirects, 5), 100));
+    auto timer = std::make_shared<net::steady_timer>(ex_, delay);
+    timer->async_wait([timer, weak = weak_from_this(), op = std::move(op)](boost::system::error_code) mutable {
+      if (auto self = weak.lock()) return self->route(std::move(op), nullptr);
+      op->finish(capture([] { throw usage_error("idem: this AsyncRedisStore is being destroyed"); }), nullptr);
+    });
+  }
+
+  void doubt() noexcept override { client_->cluster_doubt(); }
+
+private:
+  struct Node {
+    std::shared_ptr<Client> client;  // the node's blocking client: its connection factory
+    std::shared_ptr<Connection> conn;
+  };
+
+  // To the master of op->slot, or to `ask_to` (ASK). A routing failure (no master for the slot, a
+  // node that cannot be reached for the map) is the call's error, in doubt if it was a resend.
+  void route(std::unique_ptr<Op> op, const Endpoint* ask_to) {
+    std::shared_ptr<Connection> conn;
+    if (auto e = capture([&] {
+          std::shared_ptr<Client> node = ask_to ? client_->cluster_node(*ask_to) : client_->cluster_owner(op->slot);
+          conn = connection_to(std::move(node));
+        }))
+      return fail(std::move(op), e);
+    asio_redis::submit(*conn, std::move(op));
+  }
+
+  std::shared_ptr<Connection> connection_to(std::shared_ptr<Client> node) {
+    std::lock_guard lk(mu_);
+    if (closed_) throw usage_error("idem: this AsyncRedisStore is being destroyed");
+    const Client* id = node.get();
+    auto it = nodes_.find(id);
+    if (it == nodes_.end()) {
+      auto conn = make_connection(ex_, opt_, node, weak_from_this());
+      it = nodes_.emplace(id, Node{std::move(node), std::move(conn)}).first;
+    }
+    return it->second.conn;
+  }
+
+  static void fail(std::unique_ptr<Op> op, const std::exception_ptr& e) {
+    if (!op->resent) return op->finish(e, nullptr);
+    std::string text = "no route";
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& x) {
+      text = x.what();
+    }
+    op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, ""); }), nullptr);
+  }
+
+  net::any_io_executor ex_;
+  RedisOptions opt_;
+  std::shared_ptr<Client> client_;      // the factory, and in cluster mode the slot map
+  std::shared_ptr<Connection> single_;  // not in cluster mode: the one connection
+  mutable std::mutex mu_;               // cluster mode: guards nodes_ and closed_
+  std::unordered_map<const Client*, Node> nodes_;
+  bool closed_ = false;
+};
+
+std::shared_ptr<Engine> make_engine(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> client) {
+  return std::make_shared<Engine>(std::move(ex), o, std::move(client));
+}
+void submit(Engine& e, std::unique_ptr<Op> op) { e.submit(std::move(op)); }
+void shutdown(Engine& e) { e.shutdown(); }
+AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }
+
+}  // namespace idem::detail::asio_redis
