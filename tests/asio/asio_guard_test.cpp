@@ -4,6 +4,8 @@
 
 #include <atomic>
 #include <csignal>
+#include <future>
+#include <thread>
 #include <map>
 #include <memory>
 #include <optional>
@@ -313,4 +315,44 @@ TEST_CASE("run_async: any completion token (a callback, use_future) on a given e
   const auto dup = fut.get();
   CHECK(dup.status == idem::Status::duplicate);
   CHECK(*dup.value == 7);
+}
+
+// Boost 1.74 (Debian 12) has no per-operation cancellation slots: a caller waiting on the store
+// is ended by ending the store. Its pending calls — written and unanswered, coalesced or queued —
+// complete with a retryable connection_error that says they may have run, never with an answer.
+TEST_CASE("AsyncRedisStore: callers waiting when the store goes away get an error that says they may have run",
+          "[asio][batch]") {
+  idem::test::RedisServer server;
+  IoThread io;
+  auto store = std::make_unique<idem::AsyncRedisStore>(io.io.get_executor(), server.options());
+  (void)store->inspect("warm");
+  const std::string ns = "gone-" + random_hex() + ":";
+  ::kill(server.pid(), SIGSTOP);  // the calls are written and wait for their replies
+  std::vector<std::promise<idem::AcquireResult>> waiting(12);
+  for (std::size_t i = 0; i < waiting.size(); ++i)
+    store->async_acquire(ns + std::to_string(i % 6), idem::test::acquire_params(100 + i),
+                         [&p = waiting[i]](std::exception_ptr e, idem::AcquireResult r) {
+                           if (e) p.set_exception(e);
+                           else p.set_value(std::move(r));
+                         });
+  std::this_thread::sleep_for(200ms);
+  store.reset();
+  ::kill(server.pid(), SIGCONT);
+  for (auto& p : waiting) {
+    auto f = p.get_future();
+    REQUIRE(f.wait_for(5s) == std::future_status::ready);
+    try {
+      (void)f.get();
+      FAIL("a call pending when its store was destroyed was answered");
+    } catch (const idem::connection_error& e) {
+      CHECK(e.retryable());
+      CHECK_THAT(e.what(), Catch::Contains("may or may not have run"));
+    }
+  }
+  // The server goes on; what ran holds its key until the lease, as any crash after a claim.
+  idem::AsyncRedisStore again{io.io.get_executor(), server.options()};
+  for (int i = 0; i < 6; ++i) {
+    const auto s = again.acquire(ns + std::to_string(i), idem::test::acquire_params(7)).status;
+    CHECK((s == idem::AcquireStatus::in_flight || s == idem::AcquireStatus::acquired));
+  }
 }
