@@ -84,8 +84,8 @@ struct Group final : Op {
   void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
     if (!e && (reply->type != REDIS_REPLY_ARRAY || reply->elements != members.size()))
       e = capture([&] {
-        throw_if_error(reply.get(), store_hints, [&] { return what; });
-        throw_bad_reply(what);
+        throw_if_error(reply.get(), store_hints, [&] { return describe(); });
+        throw_bad_reply(describe());
       });
     if (e) {
       for (auto& m : members) m->finish(e, nullptr);
@@ -97,11 +97,11 @@ struct Group final : Op {
       Op& m = *members[i];
       if (resent && is_error(one.get())) {
         const std::string text(reply_text(one.get()));
-        m.finish(capture([&] { throw_outcome_unknown(first, m.what, text, std::string(error_code(text))); }), nullptr);
+        m.finish(capture([&] { throw_outcome_unknown(first, m.describe(), text, std::string(error_code(text))); }), nullptr);
         continue;
       }
       if (wait && !is_error(one.get()) && wrote(m.script, one.get()))
-        if (auto we = capture([&] { check_wait(wait.get(), m.script, m.what, *opt, *where); })) {
+        if (auto we = capture([&] { check_wait(wait.get(), m.script, m.describe(), *opt, *where); })) {
           m.finish(we, nullptr);
           continue;
         }
@@ -131,7 +131,7 @@ std::unique_ptr<Op> coalesce(std::vector<std::unique_ptr<Op>> steps, const Redis
   }
   g->script = Script::many;
   g->slot = first.slot;  // the connection groups its steps by slot
-  g->what = fmt::format("{} steps in one call (auto-batching; the first: {})", steps.size(), first.what);
+  g->label = fmt::format("{} steps in one call (auto-batching; the first: {})", steps.size(), first.describe());
   g->opt = &opt;
   g->where = &where;
   coalesced += steps.size();

@@ -33,6 +33,7 @@
 
 #include "cluster.hpp"
 #include "idem/core/error.hpp"
+#include "idem/detail/hex.hpp"
 #include "tls.hpp"
 
 namespace idem::detail::asio_redis {
@@ -45,6 +46,11 @@ struct ReaderFree {
 };
 using ReaderPtr = std::unique_ptr<redisReader, ReaderFree>;
 }  // namespace
+
+std::string Op::describe() const {
+  if (!label.empty()) return label;
+  return fmt::format("{} of key '{}'", idem::detail::redis::script(script).name, detail::printable(key));
+}
 
 // The connection's own requests (SCRIPT LOAD after NOSCRIPT).
 struct Internal final : Op {
@@ -203,7 +209,7 @@ private:
     queued_.clear();
     for (auto& op : queued) {
       if (op->resent)
-        op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, ""); }), nullptr);
+        op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), text, ""); }), nullptr);
       else if (!op->internal)
         op->finish(e, nullptr);
     }
@@ -402,7 +408,7 @@ private:
       ++reloads_;
       auto load = std::make_unique<Internal>();
       load->internal = true;
-      load->what = fmt::format("SCRIPT LOAD of {}", script(op->script).name);
+      load->label = fmt::format("SCRIPT LOAD of {}", script(op->script).name);
       load->bytes.assign(Command().arg("SCRIPT").arg("LOAD").arg(script(op->script).source).format().view());
       op->reloaded = true;
       queued_.push_front(std::move(op));
@@ -421,7 +427,7 @@ private:
     }
     if (op->resent && is_error(reply.get())) {
       const std::string text(reply_text(reply.get()));
-      return op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, std::string(error_code(text))); }),
+      return op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), text, std::string(error_code(text))); }),
                         nullptr);
     }
     op->finish(nullptr, std::move(reply));
@@ -431,7 +437,7 @@ private:
   // WAIT went in the same write, so it covers this connection's writes up to and including it).
   std::exception_ptr check_acks(const Op& op, const redisReply* r, const redisReply* wait) const {
     if (is_error(r) || !wrote(op.script, r)) return nullptr;  // an error, or nothing a failover could lose
-    return capture([&] { check_wait(wait, op.script, op.what, opt_, where_); });
+    return capture([&] { check_wait(wait, op.script, op.describe(), opt_, where_); });
   }
 
   // --- timeouts and failures ----------------------------------------------------------------
@@ -466,7 +472,7 @@ private:
       std::unique_ptr<Op>& op = *it;
       if (op->internal) continue;
       if (op->resent) {
-        op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, f.text, ""); }), nullptr);
+        op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), f.text, ""); }), nullptr);
       } else if (op->same_holder) {
         op->script_reply.reset();
         op->resent = true;

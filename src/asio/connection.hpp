@@ -48,7 +48,10 @@ struct Op {
   virtual std::vector<std::unique_ptr<Op>> dissolve() { return {}; }
 
   std::string bytes;
-  std::string what;           // "acquire of key 'k'", for messages
+  std::string key;            // the caller's key (its parse and messages use it)
+  std::string label;          // set for a coalesced call and the connection's own requests
+  // "acquire of key 'k'", for messages: built only when one is (the hot path formats nothing).
+  [[nodiscard]] std::string describe() const;
   Script script = Script::acquire;
   bool same_holder = true;    // a lost reply is asked again once as the same holder (not inspect)
   bool internal = false;      // the connection's own (a script reload): never a caller's
@@ -105,8 +108,8 @@ struct Call final : Op {
     if (!e) {
       T value{};
       e = capture([&] {
-        throw_if_error(reply.get(), store_hints, [&] { return what; });
-        value = parse(reply.get());
+        throw_if_error(reply.get(), store_hints, [&] { return describe(); });
+        value = parse(reply.get(), std::string_view(key));
       });
       if (!e) {
         done->complete(nullptr, std::move(value));

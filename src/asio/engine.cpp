@@ -72,7 +72,7 @@ public:
         throw store_error(fmt::format("idem: the Redis Cluster redirected the {} of slot {} {} times "
                                       "(RedisOptions::max_redirects), the last answer: {}; a slot is moving or the "
                                       "map is inconsistent: retry later",
-                                      op->what, op->slot, op->redirects - 1, text),
+                                      op->describe(), op->slot, op->redirects - 1, text),
                           "REDIRECTS", true);
       });
       return fail(std::move(op), e);
@@ -136,7 +136,7 @@ private:
     } catch (const std::exception& x) {
       text = x.what();
     }
-    op->finish(capture([&] { throw_outcome_unknown(op->first, op->what, text, ""); }), nullptr);
+    op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), text, ""); }), nullptr);
   }
 
   net::any_io_executor ex_;

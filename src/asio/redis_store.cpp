@@ -33,9 +33,10 @@ std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits) {
 }
 
 template <class T, class Parse>
-std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s, std::string what,
-                            const std::string& wait, const RedisOptions& o, std::string_view key) {
+std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s, const std::string& wait,
+                            const RedisOptions& o, std::string_view key) {
   auto op = std::make_unique<Call<T, Parse>>(std::move(done), std::move(parse));
+  op->key.assign(key);
   if (!o.cluster_nodes.empty()) op->slot = redis_hash_slot(o.key_prefix + std::string(key));
   op->bytes.assign(cmd.format().view());
   locate_step(*op, s);
@@ -45,13 +46,9 @@ std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s
   }
   op->script = s;
   op->same_holder = s != Script::inspect;
-  op->what = std::move(what);
   return op;
 }
 
-std::string what_of(Script s, std::string_view key) {
-  return fmt::format("{} of key '{}'", script(s).name, detail::printable(key));
-}
 
 }  // namespace
 
@@ -61,7 +58,6 @@ namespace idem {
 
 using detail::asio_redis::Engine;
 using detail::asio_redis::request;
-using detail::asio_redis::what_of;
 using detail::redis::Command;
 using detail::redis::Script;
 
@@ -134,8 +130,8 @@ void AsyncRedisStore::submit_acquire(std::string_view key, const AcquireParams& 
     Command cmd = detail::redis::acquire_command(options_, key, p);
     return request<AcquireResult>(
         std::move(done),
-        [k = std::string(key), t = p.token](const redisReply* r) { return detail::redis::parse_acquire(r, k, t); }, cmd,
-        Script::acquire, what_of(Script::acquire, key), wait_, options_, key);
+        [t = p.token](const redisReply* r, std::string_view k) { return detail::redis::parse_acquire(r, k, t); }, cmd,
+        Script::acquire, wait_, options_, key);
   });
 }
 
@@ -144,8 +140,8 @@ void AsyncRedisStore::submit_complete(std::string_view key, const Holder& h, std
   submit_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::complete_command(options_, key, h, text, retention, unavailable);
     return request<WriteStatus>(
-        std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "complete", k); },
-        cmd, Script::complete, what_of(Script::complete, key), wait_, options_, key);
+        std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "complete", k); },
+        cmd, Script::complete, wait_, options_, key);
   });
 }
 
@@ -153,8 +149,8 @@ void AsyncRedisStore::submit_fail(std::string_view key, const Holder& h, const F
   submit_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::fail_command(options_, key, h, f);
     return request<WriteStatus>(
-        std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "fail", k); },
-        cmd, Script::fail, what_of(Script::fail, key), wait_, options_, key);
+        std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "fail", k); },
+        cmd, Script::fail, wait_, options_, key);
   });
 }
 
@@ -162,8 +158,8 @@ void AsyncRedisStore::submit_extend(std::string_view key, const Holder& h, milli
   submit_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::extend_command(options_, key, h, lease);
     return request<WriteStatus>(
-        std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_write(r, "extend", k); },
-        cmd, Script::extend, what_of(Script::extend, key), wait_, options_, key);
+        std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "extend", k); },
+        cmd, Script::extend, wait_, options_, key);
   });
 }
 
@@ -171,8 +167,8 @@ void AsyncRedisStore::submit_inspect(std::string_view key, DonePtr<std::optional
   submit_checked<std::optional<Record>>(*engine_, done, [&] {
     Command cmd = detail::redis::inspect_command(options_, key);
     return request<std::optional<Record>>(
-        std::move(done), [k = std::string(key)](const redisReply* r) { return detail::redis::parse_inspect(r, k); }, cmd,
-        Script::inspect, what_of(Script::inspect, key), wait_, options_, key);
+        std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_inspect(r, k); }, cmd,
+        Script::inspect, wait_, options_, key);
   });
 }
 
