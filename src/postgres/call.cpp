@@ -49,6 +49,7 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
   if (PQstatus(c) == CONNECTION_OK) {
     // An error without a SQLSTATE on a live session is libpq's own (out of memory, ...).
     if (!result_ok(r) && sqlstate_of(r).empty()) throw_result(what, r, c, store_missing);
+    if (read_only_answer(r)) s.healthy(false);  // never given back, whatever the server reports
     return out;
   }
   s.healthy(false);
@@ -137,6 +138,7 @@ Reply Pipeline::next() {
   // An error without a SQLSTATE on a live session is libpq's own (out of memory, ...): the
   // pipeline's state is unknown, so the session is given up like a dead one.
   const bool libpq_error = res && !result_ok(res) && sqlstate_of(res).empty();
+  if (read_only_answer(res)) read_only_ = true;
   if (synced && !libpq_error) return out;  // (even if the session died just after)
   broken_ = true;
   why_ = first_line(res && *PQresultErrorMessage(res) ? PQresultErrorMessage(res) : PQerrorMessage(c));
@@ -153,7 +155,7 @@ void Pipeline::close() noexcept {
   } catch (...) {
     broken_ = true;
   }
-  bool healthy = !broken_ && PQstatus(conn_->pg) == CONNECTION_OK;
+  bool healthy = !broken_ && !read_only_ && PQstatus(conn_->pg) == CONNECTION_OK;
   if (healthy) healthy = PQexitPipelineMode(conn_->pg) == 1;
   store_->client.pool().checkin(std::move(conn_), healthy);
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
@@ -14,6 +15,18 @@
 
 namespace idem {
 namespace detail {
+
+namespace {
+// Whether the server reported the session read-only: in recovery (in_hot_standby) or with
+// default_transaction_read_only on. PostgreSQL 14+ reports both at connect and on every change.
+bool read_only_session(const PGconn* c) {
+  for (const char* name : {"in_hot_standby", "default_transaction_read_only"}) {
+    const char* v = PQparameterStatus(c, name);
+    if (v != nullptr && std::string_view(v) == "on") return true;
+  }
+  return false;
+}
+}  // namespace
 
 bool Connection::prepared(std::uint32_t set) const noexcept {
   return std::find(sets.begin(), sets.end(), set) != sets.end();
@@ -27,6 +40,14 @@ ConnectionTraits::connection ConnectionTraits::connect() {
   auto c = std::make_unique<Connection>(raw);
   if (PQstatus(raw) != CONNECTION_OK)
     throw connect_failure(PQerrorMessage(raw));
+  // Every decision writes (a duplicate's acquire too), so a session that cannot would only fail
+  // later: refused here, retryable, so the pool keeps trying until a primary answers.
+  if (read_only_session(raw))
+    throw connection_error(fmt::format("idem: cannot use PostgreSQL at {}:{}: the server is read-only (a standby, or "
+                                       "a primary being demoted); list every node in conninfo with "
+                                       "target_session_attrs=read-write so libpq picks the primary",
+                                       PQhost(raw), PQport(raw)),
+                           "25006", true);
   // Server notices (IF NOT EXISTS skips, ...) are not the caller's business: no stderr noise.
   PQsetNoticeProcessor(
       raw, [](void*, const char*) {}, nullptr);
@@ -48,7 +69,9 @@ bool ConnectionTraits::alive(connection& c) noexcept {
 }
 
 bool ConnectionTraits::reusable(connection& c) noexcept {
-  if (PQstatus(c->pg) != CONNECTION_OK) return false;
+  // A server that turned read-only under the session (ALTER SYSTEM + reload) said so with its
+  // last answer: the session would only fail again.
+  if (PQstatus(c->pg) != CONNECTION_OK || read_only_session(c->pg)) return false;
   const auto ts = PQtransactionStatus(c->pg);
   if (ts == PQTRANS_IDLE) return true;
   if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR) return false;

@@ -74,6 +74,14 @@ void throw_result(std::string_view what, const PGresult* r, PGconn* c, const Mis
     throw corrupt_record_error(fmt::format("{} [SQLSTATE {}]; inspect and repair or delete the row", text, code));
   const std::string msg = fmt::format("{} [SQLSTATE {}]", text, code);
   if (code == "57014" || code == "55P03") throw timeout_error(msg, code, true);
+  // The session reached a standby or a primary made read-only: nothing ran (a read-only
+  // transaction refuses the statement before it writes), and the pool drops such sessions
+  // (client.cpp), so a retry reaches whichever node is the primary by then.
+  if (code == "25006")
+    throw connection_error(fmt::format("{}; the server is read-only (a standby, or a primary being demoted): list "
+                                       "every node in conninfo with target_session_attrs=read-write and retry",
+                                       msg),
+                           code, true);
   const std::string cls = code.substr(0, 2);
   if (cls == "08" || code == "57P01" || code == "57P02" || code == "57P03" || code == "25P03")
     throw connection_error(msg, code, true);

@@ -35,6 +35,11 @@ std::string sqlstate_of(const PGresult* r);
 
 bool result_ok(const PGresult* r);
 
+// A statement refused because the session is read-only (SQLSTATE 25006): a standby, or a primary
+// made read-only. Such a session is dropped, never given back to the pool: ConnectionTraits
+// sees only what the server reports (PostgreSQL 14+), the answer is there on every version.
+inline bool read_only_answer(const PGresult* r) { return sqlstate_of(r) == "25006"; }
+
 // What a missing schema object means to the store whose statement failed.
 struct MissingSchemaHint {
   std::string_view advice;          // appended to the message

@@ -166,7 +166,8 @@ class Pipeline {
   std::unique_ptr<Connection> conn_;
   std::vector<bool> queued_;  // per request: whether it left (false: send() refused it)
   std::size_t read_ = 0;
-  bool broken_ = false;  // the session died or libpq lost track: no more sends, the rest in doubt
+  bool broken_ = false;     // the session died or libpq lost track: no more sends, the rest in doubt
+  bool read_only_ = false;  // a request answered 25006: the session is dropped at close()
   std::string why_;
 };
 

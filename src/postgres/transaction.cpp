@@ -89,6 +89,7 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
         tx.decision_ = lock_busy(ap);
         return tx;
       }
+      healthy = !read_only_answer(r1);  // never given back, whatever the server reports
       throw_result("acquire", r1, c, store_missing);
     }
     tx.decision_ = decode_acquire(r1, ap.token);
