@@ -20,6 +20,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -43,6 +44,7 @@ namespace {
 
 struct Args {
   int port = 6390;
+  std::string url;  // instead of the port: any URL the stores take (rediss://, redis-cluster://)
   int ops = 20000, reps = 3, warmup = 2000, conc = 16, dupkeys = 1000;
   std::vector<std::string> modes{"blocking", "multiplexed", "async"};
   std::vector<std::string> cases{"new-seq", "new-c16", "dup-seq", "dup-c16"};
@@ -61,13 +63,15 @@ std::vector<std::string> split(const std::string& s) {
 
 [[noreturn]] void usage(int rc) {
   std::fprintf(rc ? stderr : stdout,
-               "usage: idem_peers_bench [--redis-port P] [--json FILE] [--ops N] [--reps N] [--warmup N]\n"
+               "usage: idem_peers_bench [--redis-port P | --url URL] [--json FILE] [--ops N] [--reps N] [--warmup N]\n"
                "                        [--conc N] [--dupkeys N] [--modes blocking,multiplexed,async,...]\n"
                "                        [--cases new-seq,new-c16,dup-seq,dup-c16]\n"
                "Runs idem's guard in the peer benchmark's cases against a running redis-server on 127.0.0.1\n"
                "(FLUSHALL before each run: use a server of its own) and prints one line per case; --json\n"
                "writes the peer harness's schema (bench.mjs) so its report.mjs puts idem next to the peers.\n"
-               "Modes: blocking, multiplexed, async (auto-batching on), multiplexed-nobatch, async-nobatch.\n");
+               "Modes: blocking, multiplexed, async (auto-batching on), multiplexed-nobatch, async-nobatch.\n"
+               "--url runs the stores on any URL they take (rediss://...?tls_ca_file=F, redis-cluster://a,b):\n"
+               "no FLUSHALL and no commandstats then (server cmds/op 0); the keys are new per run anyway.\n");
   std::exit(rc);
 }
 
@@ -81,6 +85,7 @@ Args parse(int argc, char** argv) {
     };
     if (k == "--help" || k == "-h") usage(0);
     else if (k == "--redis-port" || k == "--port") a.port = std::stoi(next());
+    else if (k == "--url") a.url = next();
     else if (k == "--json" || k == "--out") a.json = next();
     else if (k == "--ops") a.ops = std::stoi(next());
     else if (k == "--reps") a.reps = std::stoi(next());
@@ -98,14 +103,26 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-// The bench's own connection: FLUSHALL and INFO commandstats.
+// The stores' options: the port on 127.0.0.1, or --url.
+idem::RedisOptions base_options(const Args& a) {
+  idem::RedisOptions o;
+  if (a.url.empty()) o.port = a.port;
+  else o.url = a.url;
+  return o;
+}
+
+// The bench's own connection: FLUSHALL and INFO commandstats (none with --url: a no-op).
 class Admin {
 public:
-  explicit Admin(int port) : c_(redisConnect("127.0.0.1", port)) {
-    if (c_ == nullptr || c_->err) throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(port));
+  explicit Admin(const Args& a) : c_(a.url.empty() ? redisConnect("127.0.0.1", a.port) : nullptr) {
+    if (a.url.empty() && (c_ == nullptr || c_->err))
+      throw std::runtime_error("cannot connect to 127.0.0.1:" + std::to_string(a.port));
   }
-  ~Admin() { redisFree(c_); }
+  ~Admin() {
+    if (c_) redisFree(c_);
+  }
   std::string command(const char* cmd) {
+    if (c_ == nullptr) return {};
     auto* r = static_cast<redisReply*>(redisCommand(c_, cmd));
     if (r == nullptr) throw std::runtime_error(std::string("redis: ") + c_->errstr);
     std::string s = r->str ? std::string(r->str, r->len) : std::string{};
@@ -146,6 +163,15 @@ public:
   virtual void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) = 0;
   std::atomic<long long> handler_calls{0};
   std::atomic<long long> bad{0};
+  // A call that threw: the run goes on (the others finish) and then fails with the first message.
+  void failed(const std::exception& e) {
+    std::lock_guard lk(mu);
+    if (first_error.empty()) first_error = e.what();
+    ++errors;
+  }
+  std::mutex mu;
+  std::string first_error;
+  long long errors = 0;
 };
 
 void check(Mode& m, const idem::Outcome<std::string>& out) {
@@ -163,10 +189,14 @@ void threaded(Mode& m, Guard& g, const std::vector<std::string>& keys, int conc,
         const std::size_t i = next++;
         if (i >= keys.size()) return;
         const auto s = Clock::now();
-        check(m, g.run(keys[i], [&] {
-          ++m.handler_calls;
-          return kResult;
-        }));
+        try {
+          check(m, g.run(keys[i], [&] {
+            ++m.handler_calls;
+            return kResult;
+          }));
+        } catch (const std::exception& e) {
+          m.failed(e);
+        }
         lat[i] = std::chrono::duration<double, std::milli>(Clock::now() - s).count();
       }
     });
@@ -175,10 +205,9 @@ void threaded(Mode& m, Guard& g, const std::vector<std::string>& keys, int conc,
 
 class Blocking final : public Mode {
 public:
-  explicit Blocking(int port, int conc)
+  explicit Blocking(const Args& a, int conc)
       : store_([&] {
-          idem::RedisOptions o;
-          o.port = port;
+          idem::RedisOptions o = base_options(a);
           o.pool.size = static_cast<std::size_t>(std::max(conc, 1));
           return o;
         }()),
@@ -206,12 +235,11 @@ struct IoThread {
 
 class Multiplexed final : public Mode {
 public:
-  Multiplexed(int port, std::size_t batch)
-      : store_(io_.io.get_executor(), options(port, batch)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  Multiplexed(const Args& a, std::size_t batch)
+      : store_(io_.io.get_executor(), options(a, batch)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
   // batch: RedisOptions::auto_batch (1 = one script call per step)
-  static idem::RedisOptions options(int port, std::size_t batch) {
-    idem::RedisOptions o;
-    o.port = port;
+  static idem::RedisOptions options(const Args& a, std::size_t batch) {
+    idem::RedisOptions o = base_options(a);
     o.auto_batch = batch;
     return o;
   }
@@ -227,8 +255,8 @@ private:
 
 class Async final : public Mode {
 public:
-  Async(int port, std::size_t batch)
-      : store_(io_.get_executor(), Multiplexed::options(port, batch)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
+  Async(const Args& a, std::size_t batch)
+      : store_(io_.get_executor(), Multiplexed::options(a, batch)), guard_(store_, {.lease = 30s, .retention = 1h}) {}
   // `conc` coroutines on this thread's io_context, each taking the next key.
   void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
     std::size_t next = 0;
@@ -244,10 +272,14 @@ public:
                 co_return;
               }
               const auto s = Clock::now();
-              check(*this, co_await guard_.run_async(keys[i], "", [&] {
-                ++handler_calls;
-                return kResult;
-              }));
+              try {
+                check(*this, co_await guard_.run_async(keys[i], "", [&] {
+                  ++handler_calls;
+                  return kResult;
+                }));
+              } catch (const std::exception& e) {
+                failed(e);
+              }
               lat[i] = std::chrono::duration<double, std::milli>(Clock::now() - s).count();
             }
           },
@@ -263,12 +295,12 @@ private:
 };
 
 std::unique_ptr<Mode> make_mode(const std::string& name, const Args& a) {
-  if (name == "blocking") return std::make_unique<Blocking>(a.port, a.conc);
-  if (name == "multiplexed") return std::make_unique<Multiplexed>(a.port, idem::RedisOptions{}.auto_batch);
-  if (name == "async") return std::make_unique<Async>(a.port, idem::RedisOptions{}.auto_batch);
+  if (name == "blocking") return std::make_unique<Blocking>(a, a.conc);
+  if (name == "multiplexed") return std::make_unique<Multiplexed>(a, idem::RedisOptions{}.auto_batch);
+  if (name == "async") return std::make_unique<Async>(a, idem::RedisOptions{}.auto_batch);
   // auto-batching off: one script call per step, as before it existed
-  if (name == "multiplexed-nobatch") return std::make_unique<Multiplexed>(a.port, 1);
-  if (name == "async-nobatch") return std::make_unique<Async>(a.port, 1);
+  if (name == "multiplexed-nobatch") return std::make_unique<Multiplexed>(a, 1);
+  if (name == "async-nobatch") return std::make_unique<Async>(a, 1);
   throw std::runtime_error("unknown mode '" + name +
                            "' (blocking, multiplexed, async, multiplexed-nobatch, async-nobatch)");
 }
@@ -277,7 +309,10 @@ int run_seq = 0;
 
 RunResult one_run(Mode& m, Admin& admin, const std::string& mode, const std::string& kase, int n, const Args& a) {
   admin.command("FLUSHALL");
-  const std::string id = mode + "-" + std::to_string(run_seq++);
+  // Without FLUSHALL (--url) another invocation's keys are still there: this one's are its own.
+  static const std::string invocation =
+      a.url.empty() ? std::string() : std::to_string(std::chrono::system_clock::now().time_since_epoch().count()) + "-";
+  const std::string id = invocation + mode + "-" + std::to_string(run_seq++);
   std::vector<std::string> keys;
   const bool dup = kase.rfind("dup", 0) == 0;
   if (!dup) {
@@ -292,12 +327,16 @@ RunResult one_run(Mode& m, Admin& admin, const std::string& mode, const std::str
   const int conc = kase.size() >= 3 && kase.substr(kase.size() - 3) == "c16" ? a.conc : 1;
   const long long h0 = m.handler_calls;
   m.bad = 0;
+  m.errors = 0;
+  m.first_error.clear();
   const auto s0 = admin.commandstats();
   std::vector<double> lat(keys.size());
   const auto t0 = Clock::now();
   m.run(keys, conc, lat);
   const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const auto s1 = admin.commandstats();
+  if (m.errors)
+    throw std::runtime_error(mode + " " + kase + ": " + std::to_string(m.errors) + " calls failed, the first: " + m.first_error);
   const long long ran = m.handler_calls - h0;
   if (dup && ran != 0) throw std::runtime_error(mode + " " + kase + ": the handler ran " + std::to_string(ran) + " times on replayed keys");
   if (!dup && ran != n) throw std::runtime_error(mode + " " + kase + ": the handler ran " + std::to_string(ran) + " times for " + std::to_string(n) + " new keys");
@@ -336,7 +375,7 @@ std::string num(double x, int prec = 4) {
 
 int main(int argc, char** argv) try {
   const Args a = parse(argc, argv);
-  Admin admin(a.port);
+  Admin admin(a);
   std::ostringstream js;
   js << "{\n  \"tool\": \"idem_peers_bench\",\n  \"node\": \"n/a (C++)\",\n  \"ops\": " << a.ops << ", \"reps\": " << a.reps << ", \"warmup\": "
      << a.warmup << ", \"conc\": " << a.conc << ", \"dupKeys\": " << a.dupkeys << ",\n  \"peers\": [";
