@@ -24,8 +24,9 @@ namespace {
 
 idem::AcquireParams params(std::uint64_t token) { return idem::test::acquire_params(token); }
 
-// Acquires `key`: "acquired", "duplicate", "in_flight", or the error's code when it threw a
-// retryable idem error (anything else fails the test).
+// Acquires `key`: "acquired", "duplicate", "in_flight", "retry:<code>" for a retryable store
+// error, else "error: <message>". No Catch macro here: the storms call it from many threads, and
+// Catch's assertions are not thread-safe; the main thread checks the answers.
 std::string try_acquire(idem::AsyncRedisStore& s, const std::string& key, std::uint64_t token) {
   try {
     const auto r = s.acquire(key, params(token));
@@ -36,16 +37,22 @@ std::string try_acquire(idem::AsyncRedisStore& s, const std::string& key, std::u
       default: return "other";
     }
   } catch (const idem::store_error& e) {
-    INFO(e.what());
-    REQUIRE(e.retryable());
-    return "retry:" + e.code();
+    return e.retryable() ? "retry:" + e.code() : std::string("error: ") + e.what();
+  } catch (const std::exception& e) {
+    return std::string("error: ") + e.what();
   }
 }
 
-void complete(idem::AsyncRedisStore& s, const std::string& key, std::uint64_t token) {
-  const auto r = s.acquire(key, params(token));
-  REQUIRE(r.status == idem::AcquireStatus::acquired);
-  REQUIRE(s.complete(key, r.holder, "done", idem::millis{60'000}) == idem::WriteStatus::ok);
+// Acquires and completes `key`: "" when both went through, else what happened.
+std::string complete(idem::AsyncRedisStore& s, const std::string& key, std::uint64_t token) {
+  try {
+    const auto r = s.acquire(key, params(token));
+    if (r.status != idem::AcquireStatus::acquired) return "acquire answered " + std::to_string(static_cast<int>(r.status));
+    if (s.complete(key, r.holder, "done", idem::millis{60'000}) != idem::WriteStatus::ok) return "complete: lease lost";
+    return "";
+  } catch (const std::exception& e) {
+    return std::string("error: ") + e.what();
+  }
 }
 
 }  // namespace
@@ -62,7 +69,7 @@ TEST_CASE("AsyncRedisStore on a cluster: keys of every master, coalesced per slo
   std::set<std::size_t> masters_hit;
   for (int i = 0; i < 60; ++i) {
     const std::string k = "spread:" + std::to_string(i);
-    complete(s, k, 100 + static_cast<std::uint64_t>(i));
+    REQUIRE(complete(s, k, 100 + static_cast<std::uint64_t>(i)).empty());
     masters_hit.insert(c.master_of(idem::redis_hash_slot("idem:" + k)));
     CHECK(try_acquire(s, k, 999) == "duplicate");
   }
@@ -75,12 +82,16 @@ TEST_CASE("AsyncRedisStore on a cluster: keys of every master, coalesced per slo
   auto key = [&](const std::string& stem, int i) { return "{" + tag + "}:" + stem + std::to_string(i); };
   const auto coalesced_before = s.stats().coalesced;
   {
+    std::vector<std::string> failed(16);
     std::vector<std::thread> ts;
     for (int t = 0; t < 16; ++t)
       ts.emplace_back([&, t] {
-        for (int i = 0; i < 20; ++i) complete(s, key("pre", t * 20 + i), 1000 + static_cast<std::uint64_t>(t * 20 + i));
+        for (int i = 0; i < 20 && failed[static_cast<std::size_t>(t)].empty(); ++i)
+          failed[static_cast<std::size_t>(t)] =
+              complete(s, key("pre", t * 20 + i), 1000 + static_cast<std::uint64_t>(t * 20 + i));
       });
     for (auto& t : ts) t.join();
+    for (const auto& f : failed) CHECK(f.empty());
   }
   CHECK(s.stats().coalesced > coalesced_before);
 
@@ -109,7 +120,6 @@ TEST_CASE("AsyncRedisStore on a cluster: keys of every master, coalesced per slo
           const std::string a = try_acquire(s, completed ? key("pre", i) : key(stem, i), 9000 + static_cast<std::uint64_t>(i));
           std::lock_guard lk(mu);
           ++answers[a];
-          if (a.rfind("retry:", 0) != 0) CHECK(a == (completed ? "duplicate" : "acquired"));
         }
       });
     for (auto& t : ts) t.join();
@@ -128,6 +138,7 @@ TEST_CASE("AsyncRedisStore on a cluster: keys of every master, coalesced per slo
   for (int i = 0; i < 64; ++i) CHECK(try_acquire(s, key("after", i), 1) == "in_flight");
   for (const auto& [a, n] : answers) std::printf("asio cluster: %d answers %s\n", n, a.c_str());
   // A coalesced call that met TRYAGAIN went out again as single calls: no caller saw the split.
+  CHECK(answers.size() == 2);  // no retry, no error, nothing else
   CHECK(answers["duplicate"] == 640);
   CHECK(answers["acquired"] == 128);
 
