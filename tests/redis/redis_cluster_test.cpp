@@ -3,7 +3,8 @@
 //   - keys spread over every master; hash-tagged sequences (SequenceGate + complete_advance) and
 //     the cross-slot refusal; batches split over the nodes, answered in input order;
 //   - resharding (slots with completed and in-progress records moved step by step: ASK,
-//     TRYAGAIN, MOVED) under 4 worker processes: every key executed exactly once;
+//     TRYAGAIN, MOVED) under 4 worker processes, one of them on AsyncRedisStore (the engine's
+//     async face): every key executed exactly once;
 //   - a master SIGKILLed under 4 worker processes, with min_replica_acks 1 (no completed key
 //     runs again, no concurrent holder) and 0 (what runs twice, counted).
 // The workers are fork+exec'ed idem_redis_cluster_worker (redis_cluster_worker.cpp). Sizes are
@@ -502,14 +503,18 @@ void write_lines(const std::string& path, const std::vector<std::string>& lines)
   for (const auto& l : lines) out << l << "\n";
 }
 
+// Workers 0 and 2 run single keys, 1 and 3 batches; with `async_face`, worker 2 runs its single
+// keys on AsyncRedisStore (the engine's other face) instead of RedisStore.
 std::vector<Child> start_workers(const std::string& url, const std::string& dir, const std::string& key_file,
-                                 int lease_ms, int acks, int handler_us, const std::string& stop_file) {
+                                 int lease_ms, int acks, int handler_us, const std::string& stop_file,
+                                 bool async_face = false) {
   std::vector<Child> workers;
   for (int w = 0; w < 4; ++w) {
+    const char* mode = w % 2 == 1 ? "batch" : w == 2 && async_face ? "async" : "single";
     std::vector<std::string> args{"--url=" + url,
                                   "--keys=" + key_file,
                                   "--log=" + dir + "/w" + std::to_string(w) + ".log",
-                                  std::string("--mode=") + (w % 2 == 0 ? "single" : "batch"),
+                                  std::string("--mode=") + mode,
                                   "--lease-ms=" + std::to_string(lease_ms),
                                   "--acks=" + std::to_string(acks),
                                   "--handler-us=" + std::to_string(handler_us),
@@ -628,7 +633,7 @@ TEST_CASE("redis cluster: resharding under 4 worker processes executes every key
 
   const int lease_ms = 5000;
   const std::string stop = dir + "/stop";
-  auto workers = start_workers(c.url(), dir, dir + "/keys", lease_ms, 0, sanitized ? 10000 : 8000, stop);
+  auto workers = start_workers(c.url(), dir, dir + "/keys", lease_ms, 0, sanitized ? 10000 : 8000, stop, true);
   std::this_thread::sleep_for(sanitized ? 1000ms : 300ms);
 
   // The moves, one at a time (overlapping migrations race their config-epoch bumps), each step

@@ -2,8 +2,10 @@
 // merely forked). One consumer over a key space it shares with the other workers:
 //
 //   idem_redis_cluster_worker --url=redis-cluster://h:p,h:p --keys=FILE --log=FILE [options]
-//     --mode=single|batch  single: IdempotencyGuard::run per key; batch: acquire_batch /
-//                          complete_batch of --batch keys at a time (default single)
+//     --mode=single|batch|async  single: IdempotencyGuard::run per key; batch: acquire_batch /
+//                          complete_batch of --batch keys at a time; async: IdempotencyGuard::run per
+//                          key on AsyncRedisStore (the engine's other face: one multiplexed
+//                          connection per master, its own MOVED / ASK handling) (default single)
 //     --lease-ms=N         lease of every claim (default 5000)
 //     --acks=N             RedisOptions::min_replica_acks (default 0)
 //     --handler-us=N       time the "effect" of one key takes (default 0; a batch sleeps it per key)
@@ -46,6 +48,10 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include "idem/asio/redis_store.hpp"
 #include "idem/detail/random.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
@@ -78,7 +84,8 @@ std::optional<Args> parse(int argc, char** argv) {
     else if (k == "seed") a.seed = static_cast<unsigned>(std::strtoul(v.c_str(), nullptr, 10));
     else return std::nullopt;
   }
-  if (a.url.empty() || a.keys.empty() || a.log.empty() || (a.mode != "single" && a.mode != "batch")) return std::nullopt;
+  if (a.url.empty() || a.keys.empty() || a.log.empty() || (a.mode != "single" && a.mode != "batch" && a.mode != "async"))
+    return std::nullopt;
   return a;
 }
 
@@ -163,10 +170,25 @@ int run(const Args& a) {
   }
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.deadline_s);
   Counters count;
+  // async: the io thread AsyncRedisStore's connections run on.
+  boost::asio::io_context io{1};
+  auto io_work = boost::asio::make_work_guard(io);
+  std::thread io_thread;
+  struct JoinIo {
+    boost::asio::io_context& io;
+    std::thread& t;
+    ~JoinIo() {
+      io.stop();
+      if (t.joinable()) t.join();
+    }
+  } join_io{io, io_thread};
+  if (a.mode == "async") io_thread = std::thread([&] { io.run(); });
   std::optional<idem::RedisStore> store;
-  while (!store) {
+  std::optional<idem::AsyncRedisStore> async_store;
+  while (!store && !async_store) {
     try {
-      store.emplace(options(a));
+      if (a.mode == "async") async_store.emplace(io.get_executor(), options(a));
+      else store.emplace(options(a));
     } catch (const std::exception& e) {
       count.error(e);
       if (std::chrono::steady_clock::now() > deadline) throw;
@@ -178,7 +200,10 @@ int run(const Args& a) {
   go.lease = idem::millis{a.lease_ms};
   go.retention = idem::millis{600'000};
   go.wait_for_in_flight = idem::millis{0};
-  idem::IdempotencyGuard guard(*store, go);
+  std::optional<idem::IdempotencyGuard<idem::RedisStore>> guard;
+  std::optional<idem::IdempotencyGuard<idem::AsyncRedisStore>> async_guard;
+  if (store) guard.emplace(*store, go);
+  else async_guard.emplace(*async_store, go);
   const std::string owner = "cluster-worker:" + std::to_string(::getpid());
   std::mt19937 rng(a.seed);
   std::printf("ready\n");
@@ -209,17 +234,20 @@ int run(const Args& a) {
       }
     };
     while (!pending.empty() && std::chrono::steady_clock::now() < deadline) {
-      if (a.mode == "single") {
+      if (a.mode == "single" || a.mode == "async") {
         std::string k = std::move(pending.front());
         pending.pop_front();
         std::optional<std::uint64_t> ran;  // fence of an effect this attempt ran
         try {
-          auto out = guard.run(k, [&](const idem::Context& ctx) {
-            ran = ctx.fence;
-            log.line('E', k, ctx.fence);
-            effect(1);
-            return std::string("r");
-          });
+          auto run_one = [&](auto& g) {
+            return g.run(k, [&](const idem::Context& ctx) {
+              ran = ctx.fence;
+              log.line('E', k, ctx.fence);
+              effect(1);
+              return std::string("r");
+            });
+          };
+          auto out = guard ? run_one(*guard) : run_one(*async_guard);
           ++count.outcomes[std::string(idem::to_string(out.status))];
           switch (out.status) {
             case idem::Status::executed: log.line('C', k, out.fence); since_progress = 0; break;
@@ -305,7 +333,8 @@ int run(const Args& a) {
     if (left > 0 || stop_requested() || std::chrono::steady_clock::now() >= deadline) break;
   }
 
-  const idem::RedisClientStats st = store->client()->stats();
+  // AsyncRedisStore does not count redirections apart: its workers report zeros here.
+  const idem::RedisClientStats st = store ? store->client()->stats() : idem::RedisClientStats{};
   std::printf("stats discoveries=%llu map_refreshes=%llu moved=%llu ask=%llu tryagain=%llu\n",
               static_cast<unsigned long long>(st.discoveries), static_cast<unsigned long long>(st.map_refreshes),
               static_cast<unsigned long long>(st.moved), static_cast<unsigned long long>(st.ask),

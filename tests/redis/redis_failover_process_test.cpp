@@ -1,5 +1,6 @@
 // Failovers under load, counted: four worker processes (idem_redis_failover_worker) run guarded
-// messages through one redis-sentinel:// store each, on the same keys at the same time, while the
+// messages through one redis-sentinel:// store each (three RedisStore, the last AsyncRedisStore:
+// both faces of the engine), on the same keys at the same time, while the
 // test kills the master again and again and lets the sentinels promote the replica. Afterwards
 // every key that ran twice is classified from what the workers wrote down:
 //   (i)  the documented window: the effect ran, its completion was never confirmed (the guard
@@ -197,11 +198,12 @@ Result run_failovers(int acks, int failovers) {
     const std::string err = work + "/worker-" + std::to_string(i) + ".err";
     const int fd = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     REQUIRE(fd >= 0);
-    w.pids.push_back(idem::test::spawn({IDEM_REDIS_FAILOVER_WORKER, topo.url(), ns,
-                                        work + "/worker-" + std::to_string(i) + ".out", stop_file,
-                                        std::to_string(seed + static_cast<unsigned>(i)), std::to_string(acks),
-                                        std::to_string(lease_ms), std::to_string(grace_ms)},
-                                       fd));
+    std::vector<std::string> args{IDEM_REDIS_FAILOVER_WORKER, topo.url(), ns,
+                                  work + "/worker-" + std::to_string(i) + ".out", stop_file,
+                                  std::to_string(seed + static_cast<unsigned>(i)), std::to_string(acks),
+                                  std::to_string(lease_ms), std::to_string(grace_ms)};
+    if (i == workers - 1) args.emplace_back("async");  // the last worker on the engine's async face
+    w.pids.push_back(idem::test::spawn(args, fd));
     ::close(fd);
     w.logs.push_back(err);
   }

@@ -2,7 +2,10 @@
 // consumer that runs guarded messages through a redis-sentinel:// store while the test fails the
 // master over under it.
 //
-//   idem_redis_failover_worker <url> <ns> <out_file> <stop_file> <seed> <acks> <lease_ms> <grace_ms>
+//   idem_redis_failover_worker <url> <ns> <out_file> <stop_file> <seed> <acks> <lease_ms> <grace_ms> [async]
+//
+// With "async" the store is AsyncRedisStore (the engine's async face: one multiplexed connection,
+// its own Sentinel rediscovery) and <master> in the E lines is "async".
 //
 // Keys are "<ns><n>", walked in blocks of 64 (n = 64 * block + i), each block in an order shuffled
 // by <seed>, so the workers meet on the same keys at the same time. Each key is retried until the
@@ -38,6 +41,10 @@
 #include <typeinfo>
 #include <vector>
 
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include "idem/asio/redis_store.hpp"
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
 
@@ -118,7 +125,13 @@ struct Stop {
   }
 };
 
-int run(char** argv) {
+// The guard on `store` (RedisStore or AsyncRedisStore) walks the keys; `where` names the master
+// new connections go to, for the E lines.
+template <class Store, class Where>
+int walk(const std::string& ns, const Out& out, Stop& stop, std::mt19937& rng, idem::millis lease, Store& store,
+         Where where);
+
+int run(char** argv, bool async) {
   const std::string ns = argv[2];
   const Out out(argv[3]);
   Stop stop{argv[4], std::chrono::milliseconds(std::atoll(argv[8])), std::nullopt};
@@ -133,21 +146,42 @@ int run(char** argv) {
   const idem::millis lease{std::atoll(argv[7])};
 
   // The test starts workers on a settled topology, but a store is built again if that fails.
+  boost::asio::io_context io{1};
+  auto io_work = boost::asio::make_work_guard(io);
+  std::thread io_thread;
+  if (async) io_thread = std::thread([&] { io.run(); });
+  struct JoinIo {
+    boost::asio::io_context& io;
+    std::thread& t;
+    ~JoinIo() {
+      io.stop();
+      if (t.joinable()) t.join();
+    }
+  } join_io{io, io_thread};
   std::optional<idem::RedisStore> store;
-  while (!store) {
+  std::optional<idem::AsyncRedisStore> async_store;
+  while (!store && !async_store) {
     try {
-      store.emplace(o);
+      if (async) async_store.emplace(io.get_executor(), o);
+      else store.emplace(o);
     } catch (const std::exception& e) {
       out.line("X - " + kind(e) + " " + std::to_string(now_ms()));
       if (stop.requested()) return 4;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
+  if (async) return walk(ns, out, stop, rng, lease, *async_store, [] { return std::string("async"); });
+  return walk(ns, out, stop, rng, lease, *store, [&] { return store->client()->address(); });
+}
+
+template <class Store, class Where>
+int walk(const std::string& ns, const Out& out, Stop& stop, std::mt19937& rng, idem::millis lease, Store& store,
+         Where where) {
   idem::GuardOptions go;
   go.lease = lease;
   go.retention = idem::millis{600'000};
   go.wait_for_in_flight = idem::millis{0};
-  idem::IdempotencyGuard guard(*store, go);
+  idem::IdempotencyGuard guard(store, go);
 
   std::vector<int> order(64);
   long long block = 0;
@@ -166,7 +200,7 @@ int run(char** argv) {
             ran = true;
             fence = ctx.fence;
             out.line("E " + key + " " + std::to_string(fence) + " " + std::to_string(before) + " " +
-                     std::to_string(now_ms()) + " " + store->client()->address());
+                     std::to_string(now_ms()) + " " + where());
             return static_cast<int>(fence);
           });
           switch (r.status) {
@@ -202,12 +236,13 @@ int run(char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 9) {
-    std::fprintf(stderr, "usage: idem_redis_failover_worker <url> <ns> <out> <stop> <seed> <acks> <lease_ms> <grace_ms>\n");
+  if (argc != 9 && !(argc == 10 && std::string(argv[9]) == "async")) {
+    std::fprintf(stderr,
+                 "usage: idem_redis_failover_worker <url> <ns> <out> <stop> <seed> <acks> <lease_ms> <grace_ms> [async]\n");
     return 2;
   }
   try {
-    return run(argv);
+    return run(argv, argc == 10);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "idem_redis_failover_worker: %s\n", e.what());
     return 5;
