@@ -98,6 +98,20 @@ ReplyPtr checked(Node& n, const std::vector<std::string>& args) {
   return r;
 }
 
+// SCAN MATCH `match` over node `n`, `count` keys a page: `page` gets each page's key array and
+// returns false to stop (then so does this).
+template <class Page>
+bool scan_pages(Node& n, const std::string& match, std::size_t count, Page&& page) {
+  std::string cursor = "0";
+  do {
+    auto r = checked(n, {"SCAN", cursor, "MATCH", match, "COUNT", std::to_string(count)});
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != 2)
+      throw store_error(fmt::format("idem: unexpected SCAN reply from {}", n.name()), "", false);
+    cursor = reply_text(r->element[0]);
+    if (!page(r->element[1])) return false;
+  } while (cursor != "0");
+  return true;
+}
 
 std::string glob_escape(std::string_view s) {
   std::string out;
@@ -286,13 +300,7 @@ struct RedisAdmin::Impl {
     const std::string match = glob_escape(opt.key_prefix) + "*";
     for (auto& n : nodes) {
       load_scripts(n);
-      std::string cursor = "0";
-      do {
-        auto r = checked(n, {"SCAN", cursor, "MATCH", match, "COUNT", std::to_string(page)});
-        if (r->type != REDIS_REPLY_ARRAY || r->elements != 2)
-          throw store_error(fmt::format("idem: unexpected SCAN reply from {}", n.name()), "", false);
-        cursor = reply_text(r->element[0]);
-        const redisReply* keys = r->element[1];
+      const bool more = scan_pages(n, match, page, [&](const redisReply* keys) {
         std::vector<std::vector<std::string>> cmds;
         cmds.reserve(keys->elements);
         for (std::size_t i = 0; i < keys->elements; ++i)
@@ -310,9 +318,11 @@ struct RedisAdmin::Impl {
             throw_reply(n, "inspect", replies[i].get());
           }
           auto a = decode(n, rkey.substr(opt.key_prefix.size()), replies[i].get());
-          if (a && !each(*a)) return;
+          if (a && !each(*a)) return false;
         }
-      } while (cursor != "0");
+        return true;
+      });
+      if (!more) return;
     }
   }
 };
@@ -338,14 +348,8 @@ std::optional<AdminRecord> RedisAdmin::inspect(std::string_view key) {
 std::size_t RedisAdmin::remove_all() {
   const std::string match = glob_escape(impl_->opt.key_prefix) + "*";
   std::size_t deleted = 0;
-  for (auto& n : impl_->nodes) {
-    std::string cursor = "0";
-    do {
-      auto r = checked(n, {"SCAN", cursor, "MATCH", match, "COUNT", "1000"});
-      if (r->type != REDIS_REPLY_ARRAY || r->elements != 2)
-        throw store_error(fmt::format("idem: unexpected SCAN reply from {}", n.name()), "", false);
-      cursor = reply_text(r->element[0]);
-      const redisReply* keys = r->element[1];
+  for (auto& n : impl_->nodes)
+    scan_pages(n, match, 1000, [&](const redisReply* keys) {
       std::vector<std::vector<std::string>> cmds;
       cmds.reserve(keys->elements);
       for (std::size_t i = 0; i < keys->elements; ++i) cmds.push_back({"DEL", reply_text(keys->element[i])});
@@ -353,8 +357,8 @@ std::size_t RedisAdmin::remove_all() {
         if (d->type == REDIS_REPLY_ERROR) throw_reply(n, "DEL", d.get());
         deleted += static_cast<std::size_t>(reply_int(d.get()));
       }
-    } while (cursor != "0");
-  }
+      return true;
+    });
   return deleted;
 }
 

@@ -13,18 +13,7 @@ cmd=${1:?usage: pg_cluster.sh start|restart|stop STATE_DIR [durable]}
 state=${2:?usage: pg_cluster.sh start|restart|stop STATE_DIR [durable]}
 profile=${3:-fast}
 
-bindir=${IDEM_PG_BIN:-}
-if [ -z "$bindir" ]; then
-  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
-    if [ -x "$d/initdb" ]; then bindir=$d; break; fi
-  done
-fi
-if [ -z "$bindir" ] && command -v initdb >/dev/null 2>&1; then bindir=$(dirname "$(command -v initdb)"); fi
-[ -n "$bindir" ] && [ -x "$bindir/initdb" ] || { echo "pg_cluster: initdb not found (install postgresql)" >&2; exit 1; }
-
-as_pg() {
-  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
-}
+. "$(dirname "$0")/pg_lib.sh"
 
 case "$cmd" in
 start)

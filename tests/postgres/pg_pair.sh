@@ -19,18 +19,7 @@ usage="usage: pg_pair.sh start|kill-primary|promote|attach|stop STATE_DIR [sync|
 cmd=${1:?$usage}
 state=${2:?$usage}
 
-bindir=${IDEM_PG_BIN:-}
-if [ -z "$bindir" ]; then
-  for d in $(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V -r); do
-    if [ -x "$d/initdb" ]; then bindir=$d; break; fi
-  done
-fi
-if [ -z "$bindir" ] && command -v initdb >/dev/null 2>&1; then bindir=$(dirname "$(command -v initdb)"); fi
-[ -n "$bindir" ] && [ -x "$bindir/initdb" ] || { echo "pg_pair: initdb not found (install postgresql)" >&2; exit 1; }
-
-as_pg() {
-  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
-}
+. "$(dirname "$0")/pg_lib.sh"
 
 die() {
   echo "pg_pair: $*" >&2
@@ -48,6 +37,24 @@ random_port() {  # below the ephemeral range (32768+), as pg_cluster.sh
 }
 
 # pg_start SLOT PORT: starts the node of SLOT on PORT; false when it did not start (port taken, ...).
+# start_on_free_port SLOT WHAT TAKEN: starts SLOT's server on a random free port (not TAKEN), up
+# to 5 ports tried, and records it in STATE/SLOT.port; exits with the server's log when none works.
+start_on_free_port() {
+  tries=0
+  while :; do
+    tries=$((tries + 1))
+    port=$(random_port)
+    [ "$port" = "$3" ] && continue
+    if pg_start "$1" "$port"; then break; fi
+    if [ $tries -ge 5 ]; then
+      echo "pg_pair: $2 did not start; server log:" >&2
+      node_log "$1"
+      exit 1
+    fi
+  done
+  echo "$port" > "$state/$1.port"
+}
+
 pg_start() {
   data=$(cat "$state/$1.data")
   as_pg "$bindir/pg_ctl" -D "$data" -l "$data/../$(basename "$data").log" -w -t 30 -o "-p $2" start >/dev/null 2>&1
@@ -146,33 +153,10 @@ start)
     echo "synchronous_commit = on"
     if [ "$mode" = sync ]; then echo "synchronous_standby_names = '*'"; fi
   } >> "$base/a1/data/postgresql.conf"
-  tries=0
-  while :; do
-    tries=$((tries + 1))
-    port=$(random_port)
-    if pg_start a "$port"; then break; fi
-    if [ $tries -ge 5 ]; then
-      echo "pg_pair: the primary did not start; server log:" >&2
-      node_log a
-      exit 1
-    fi
-  done
-  echo "$port" > "$state/a.port"
+  start_on_free_port a "the primary" ""
   echo a > "$state/primary"
   make_standby b 1
-  tries=0
-  while :; do
-    tries=$((tries + 1))
-    port=$(random_port)
-    [ "$port" = "$(cat "$state/a.port")" ] && continue
-    if pg_start b "$port"; then break; fi
-    if [ $tries -ge 5 ]; then
-      echo "pg_pair: the standby did not start; server log:" >&2
-      node_log b
-      exit 1
-    fi
-  done
-  echo "$port" > "$state/b.port"
+  start_on_free_port b "the standby" "$(cat "$state/a.port")"
   pa=$(cat "$state/a.port")
   pb=$(cat "$state/b.port")
   echo "host=127.0.0.1 port=$pa user=postgres dbname=postgres" > "$state/a.conninfo"
