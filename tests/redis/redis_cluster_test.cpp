@@ -510,7 +510,7 @@ std::vector<Child> start_workers(const std::string& url, const std::string& dir,
                                  bool async_face = false) {
   std::vector<Child> workers;
   for (int w = 0; w < 4; ++w) {
-    const char* mode = w % 2 == 1 ? "batch" : w == 2 && async_face ? "async" : "single";
+    const char* mode = w % 2 == 1 ? "batch" : w == 2 && async_face && IDEM_WORKER_ASYNC ? "async" : "single";
     std::vector<std::string> args{"--url=" + url,
                                   "--keys=" + key_file,
                                   "--log=" + dir + "/w" + std::to_string(w) + ".log",

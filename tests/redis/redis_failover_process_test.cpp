@@ -202,7 +202,7 @@ Result run_failovers(int acks, int failovers) {
                                   work + "/worker-" + std::to_string(i) + ".out", stop_file,
                                   std::to_string(seed + static_cast<unsigned>(i)), std::to_string(acks),
                                   std::to_string(lease_ms), std::to_string(grace_ms)};
-    if (i == workers - 1) args.emplace_back("async");  // the last worker on the engine's async face
+    if (IDEM_WORKER_ASYNC && i == workers - 1) args.emplace_back("async");  // the last worker on the async face
     w.pids.push_back(idem::test::spawn(args, fd));
     ::close(fd);
     w.logs.push_back(err);
