@@ -152,7 +152,10 @@ void two_relays_send_every_row_in_order_per_key(B& b) {
   auto pb = b.publisher();
   auto opts = relay_options(env);
   opts.batch = 20;
-  Paced slow_a(*pa, 20ms), slow_b(*pb, 20ms);
+  // 100 ms per batch: the 20 batches take ~2 s for one relay alone, so the second relay starts
+  // (connects to the database and the broker) well before the first could drain every row, even
+  // on a loaded machine (at 20 ms, relay a once sent all 400 before relay b had connected).
+  Paced slow_a(*pa, 100ms), slow_b(*pb, 100ms);
   idem::OutboxRelay ra(slow_a, opts), rb(slow_b, opts);
   ra.start();
   rb.start();
