@@ -51,8 +51,7 @@
 // IDEM_WORKER_ASYNC: built with idem::asio (not in the fuzz build, which has no Boost): the async
 // mode exists, and the tests ask for it only then.
 #if IDEM_WORKER_ASYNC
-#include <boost/asio/executor_work_guard.hpp>
-#include <boost/asio/io_context.hpp>
+#include "worker_io.hpp"
 
 #include "idem/asio/redis_store.hpp"
 #endif
@@ -175,19 +174,7 @@ int run(const Args& a) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(a.deadline_s);
   Counters count;
 #if IDEM_WORKER_ASYNC
-  // async: the io thread AsyncRedisStore's connections run on.
-  boost::asio::io_context io{1};
-  auto io_work = boost::asio::make_work_guard(io);
-  std::thread io_thread;
-  struct JoinIo {
-    boost::asio::io_context& io;
-    std::thread& t;
-    ~JoinIo() {
-      io.stop();
-      if (t.joinable()) t.join();
-    }
-  } join_io{io, io_thread};
-  if (a.mode == "async") io_thread = std::thread([&] { io.run(); });
+  idem_test::WorkerIo io(a.mode == "async");
   std::optional<idem::AsyncRedisStore> async_store;
 #else
   const bool async_store = false;
@@ -196,7 +183,7 @@ int run(const Args& a) {
   while (!store && !async_store) {
     try {
 #if IDEM_WORKER_ASYNC
-      if (a.mode == "async") async_store.emplace(io.get_executor(), options(a));
+      if (a.mode == "async") async_store.emplace(io.executor(), options(a));
       else
 #endif
         store.emplace(options(a));

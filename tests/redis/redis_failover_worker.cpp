@@ -44,8 +44,7 @@
 // IDEM_WORKER_ASYNC: built with idem::asio (not in the fuzz build, which has no Boost): the async
 // face exists, and the test asks for it only then.
 #if IDEM_WORKER_ASYNC
-#include <boost/asio/executor_work_guard.hpp>
-#include <boost/asio/io_context.hpp>
+#include "worker_io.hpp"
 
 #include "idem/asio/redis_store.hpp"
 #endif
@@ -151,18 +150,7 @@ int run(char** argv, bool async) {
 
   // The test starts workers on a settled topology, but a store is built again if that fails.
 #if IDEM_WORKER_ASYNC
-  boost::asio::io_context io{1};
-  auto io_work = boost::asio::make_work_guard(io);
-  std::thread io_thread;
-  if (async) io_thread = std::thread([&] { io.run(); });
-  struct JoinIo {
-    boost::asio::io_context& io;
-    std::thread& t;
-    ~JoinIo() {
-      io.stop();
-      if (t.joinable()) t.join();
-    }
-  } join_io{io, io_thread};
+  idem_test::WorkerIo io(async);
   std::optional<idem::AsyncRedisStore> async_store;
 #else
   const bool async_store = false;
@@ -172,7 +160,7 @@ int run(char** argv, bool async) {
   while (!store && !async_store) {
     try {
 #if IDEM_WORKER_ASYNC
-      if (async) async_store.emplace(io.get_executor(), o);
+      if (async) async_store.emplace(io.executor(), o);
       else
 #endif
         store.emplace(o);
