@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abcdefg] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcdefgi] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -32,8 +32,12 @@
 //       IdempotencyGuard::run_batch (one acquisition round trip, each completion sent as its handler
 //       returns), with the heartbeat on (a read's last entry waits for the handlers before it);
 //   (h) as (c), through run_batch as (g): not in the default set (--setups h), it reports what
-//       batches do to the double effects of a non-idempotent effect.
-// Exit status 1 when (a), (b), (d), (e), (f) or (g) has a double effect, a lost message or a wrong balance, when
+//       batches do to the double effects of a non-idempotent effect;
+//   (i) as (f), the records on a Redis Cluster of its own (3 masters, a replica each, AsyncRedisStore
+//       from a redis-cluster:// URL, min_replica_acks 1, auto-batched per slot): at 30% of the
+//       deliveries a master is SIGKILLed, its replica takes over, and the old master comes back as a
+//       replica, all while consumers are killed and restarted (IDEM_CHAOS_CLUSTER_URL).
+// Exit status 1 when (a), (b), (d), (e), (f), (g) or (i) has a double effect, a lost message or a wrong balance, when
 // any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
@@ -76,7 +80,9 @@
 #include "idem/redis.hpp"
 #include "idem/tiered.hpp"
 #include "idem/outbox/outbox.hpp"
+#include "redis_cluster.hpp"
 #include "redis_server.hpp"
+#include "worker_io.hpp"
 
 #ifndef IDEM_PG_CLUSTER_SCRIPT
 #error "IDEM_PG_CLUSTER_SCRIPT must point at tests/postgres/pg_cluster.sh"
@@ -342,18 +348,8 @@ int worker_main(int argc, char** argv) {
   std::optional<idem::IdempotencyGuard<idem::PostgresStore>> pguard;
   std::optional<idem::RedisStore> rs;
   std::optional<idem::IdempotencyGuard<idem::RedisStore>> rguard;
-  // (f): the multiplexed store and the io thread its connection runs on.
-  boost::asio::io_context io{1};
-  auto io_work = boost::asio::make_work_guard(io);
-  std::thread io_thread([&] { io.run(); });
-  struct JoinIo {
-    boost::asio::io_context& io;
-    std::thread& t;
-    ~JoinIo() {
-      io.stop();
-      t.join();
-    }
-  } join_io{io, io_thread};
+  // (f), (i): the multiplexed store and the io thread its connections run on.
+  idem_test::WorkerIo io(setup == 'f' || setup == 'i');
   std::optional<idem::AsyncRedisStore> as;
   std::optional<idem::IdempotencyGuard<idem::AsyncRedisStore>> aguard;
   // (d): the tiered store over the fast Redis (no persistence) and PostgreSQL transactional mode.
@@ -379,11 +375,18 @@ int worker_main(int argc, char** argv) {
   auto async_guard = [&]() -> idem::IdempotencyGuard<idem::AsyncRedisStore>& {
     if (!as) {
       idem::RedisOptions ro;
-      ro.port = port;
+      if (setup == 'i') {  // the driver's cluster; a claim is answered once a replica has it
+        const char* url = std::getenv("IDEM_CHAOS_CLUSTER_URL");
+        ro = idem::parse_redis_url(url ? url : "redis-cluster://");
+        ro.min_replica_acks = 1;
+        ro.replica_ack_timeout = idem::millis{1000};
+      } else {
+        ro.port = port;
+      }
       ro.key_prefix = "idem:" + T + ":";
       ro.connect_timeout = idem::millis{1000};
       ro.command_timeout = idem::millis{2000};
-      as.emplace(io.get_executor(), std::move(ro));
+      as.emplace(io.executor(), std::move(ro));
       aguard.emplace(*as, go);
     }
     return *aguard;
@@ -479,7 +482,7 @@ int worker_main(int argc, char** argv) {
       });
       return out.status;
     }
-    if (setup == 'f') {
+    if (setup == 'f' || setup == 'i') {
       bool skipped = false;
       auto out = async_guard().run(e.event, payload, [&] { skipped = !apply_once(e, db); });
       if (skipped) stats.note('K');
@@ -625,7 +628,7 @@ int worker_main(int argc, char** argv) {
     std::vector<std::string> ack{"XACK", stream, kGroup};
     if ((setup == 'g' || setup == 'h') && !g_stop) {
       for (auto& id : handle_batch(entries)) ack.push_back(std::move(id));
-    } else if (setup == 'f') {
+    } else if (setup == 'f' || setup == 'i') {
       handle_lanes(entries, ack);
     } else {
       for (const auto& e : entries) {
@@ -795,7 +798,7 @@ public:
       pg.exec("CREATE TABLE " + T + "_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
       pg.exec("INSERT INTO " + T + "_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
       pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
-      if (setup == 'b' || setup == 'f' || setup == 'g') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
+      if (setup == 'b' || setup == 'f' || setup == 'g' || setup == 'i') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
       if (setup == 'a') {
         idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
         s.migrate();
@@ -823,6 +826,14 @@ public:
       ::setenv("IDEM_CHAOS_FAST_PORT", std::to_string(fast->port()).c_str(), 1);
     }
     long long fast_kills = 0;
+    // (i): the records' cluster. No persistence: a write is answered once a replica has it
+    // (min_replica_acks 1), and the replica is what takes over.
+    std::optional<idem::test::RedisCluster> cluster;
+    if (setup == 'i') {
+      cluster.emplace(idem::test::RedisCluster::Options{.masters = 3, .replicas_per_master = 1, .node_timeout_ms = 1000});
+      ::setenv("IDEM_CHAOS_CLUSTER_URL", cluster->url_all().c_str(), 1);
+    }
+    long long master_kills = 0;
     Redis r(redis_.port());
     r.cmd({"DEL", stream, stream + ":dlq"});
     r.cmd({"XGROUP", "CREATE", stream, kGroup, "0", "MKSTREAM"});
@@ -952,6 +963,19 @@ public:
         std::fprintf(stderr, "[%c] redis-server SIGKILLed and restarted (AOF) at %.1f s\n", setup,
                      std::chrono::duration<double>(Clock::now() - t0).count());
       }
+      // (i): a master dies at 30%; the driver waits for its replica to take over, then starts it
+      // again (it rejoins as a replica).
+      if (cluster && master_kills == 0 && progress * 10 >= planned * 3 * 2) {
+        ++master_kills;
+        const auto k0 = Clock::now();
+        const std::size_t victim = cluster->masters().front();
+        cluster->kill_master(victim);
+        const std::size_t promoted = cluster->wait_failover(victim, 60s);
+        cluster->restart_node(victim, false);
+        std::fprintf(stderr, "[%c] cluster master %s SIGKILLed at %.1f s, %s took over in %.1f s\n", setup,
+                     cluster->addr(victim).c_str(), std::chrono::duration<double>(k0 - t0).count(),
+                     cluster->addr(promoted).c_str(), std::chrono::duration<double>(Clock::now() - k0).count());
+      }
       // (d): the fast tier dies at 15%, 45% and 80% and comes back empty after 400 ms (its records
       // are lost; PostgreSQL answers until Redis is repaired).
       if (fast && fast_kills < 3 && progress * 100 >= planned * 2 * (fast_kills == 0 ? 15 : fast_kills == 1 ? 45 : 80)) {
@@ -1066,17 +1090,22 @@ public:
                            "with applied_events ON CONFLICT DO NOTHING",
                            "RedisStore + run_batch per read + PostgreSQL transaction with applied_events ON "
                            "CONFLICT DO NOTHING",
-                           "RedisStore + run_batch per read + plain autocommit UPDATE"};
+                           "RedisStore + run_batch per read + plain autocommit UPDATE",
+                           "AsyncRedisStore on a 3-master Redis Cluster (min_replica_acks 1, a master failed over "
+                           "mid-run; auto-batched per slot) + PostgreSQL transaction with applied_events ON CONFLICT "
+                           "DO NOTHING"};
     std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
                 names[setup - 'a'], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
     std::printf("(%c) deliveries: %lld\n", setup, c['D']);
     // A consumer killed right after its commit cannot count its run: the effects log is the truth.
     const std::string skipped =
-        setup == 'b' || setup == 'f' || setup == 'g' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
+        setup == 'b' || setup == 'f' || setup == 'g' || setup == 'i' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
     std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
                 effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
-    if (setup == 'f')
+    if (setup == 'i')
+      std::printf("(%c) cluster masters SIGKILLed and failed over: %lld\n", setup, master_kills);
+    if (setup == 'f' || setup == 'i')
       std::printf("(%c) steps coalesced into another caller's script call (auto-batching): %lld\n", setup, c['C']);
     if (setup == 'd')
       std::printf("(d) duplicates answered by Redis alone (no PostgreSQL round trip): %lld of %lld (%.1f%%); by "
@@ -1137,7 +1166,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abcdefg";
+  std::string setups = "abcdefgi";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -1146,7 +1175,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefg] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefgi] [--seed S]\n");
       return 2;
     }
   }
@@ -1210,7 +1239,7 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'h' || g_stop) continue;
+    if (s < 'a' || s > 'i' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
     // (e) runs eight processes (consumers, relays, downstream consumers) and two hops: half the events.
     const Result r = d.run(s, s == 'e' ? std::max(1, events / 2) : events, seed, bound);
