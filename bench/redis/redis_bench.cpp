@@ -26,6 +26,12 @@
 
 #include "idem/idem.hpp"
 #include "idem/redis.hpp"
+#if IDEM_BENCH_ASYNC
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include "idem/asio/redis_store.hpp"
+#endif
 
 namespace {
 
@@ -42,7 +48,7 @@ struct Args {
   int repeat = 3;
   int acks = 0;  // RedisOptions::min_replica_acks
   int admin_port = 0;  // the bench's own plain connection, when the store's is TLS
-  std::set<std::string> phases{"guard", "takeover", "batch", "run_batch", "gate", "memory"};
+  std::set<std::string> phases{"guard", "takeover", "batch", "run_batch", "run_batch_async", "gate", "memory"};
   bool print_sha = false;
 };
 
@@ -72,8 +78,9 @@ constexpr const char* usage =
     "                       WAIT N 500 with every write transition (replica_ack_timeout 500 ms,\n"
     "                       command_timeout 10 s) and needs N replicas online (INFO replication; on\n"
     "                       every master with a cluster URL)\n"
-    "  --phases LIST        comma-separated subset of guard,takeover,batch,run_batch,gate,memory (default all):\n"
-    "                       guard = new keys and duplicates at 1 and 16 in flight\n"
+    "  --phases LIST        comma-separated subset of guard,takeover,batch,run_batch,run_batch_async,gate,memory\n"
+    "                       (default all): guard = new keys and duplicates at 1 and 16 in flight;\n"
+    "                       run_batch_async = run_batch on AsyncRedisStore (built with idem::asio)\n"
     "  --print-sha          load the acquire script (on every master with a cluster URL), print its\n"
     "                       SHA1 (for redis-benchmark) and exit\n"
     "  --help               this text\n";
@@ -317,7 +324,7 @@ Args parse(int argc, char** argv) {
       std::stringstream list(next());
       for (std::string p; std::getline(list, p, ',');) {
         if (Args{}.phases.count(p) == 0)
-          throw std::runtime_error("bench: unknown phase '" + p + "' (guard, takeover, batch, run_batch, gate, memory)");
+          throw std::runtime_error("bench: unknown phase '" + p + "' (guard, takeover, batch, run_batch, run_batch_async, gate, memory)");
         a.phases.insert(p);
       }
     } else if (k == "--print-sha") a.print_sha = true;
@@ -491,13 +498,15 @@ int main(int argc, char** argv) try {
 
   // IdempotencyGuard::run_batch with a no-op handler, batch_threads callers, at batch sizes 1, 10,
   // 100 and 500: new keys, then the same keys again as duplicates.
-  if (runs("run_batch")) {
-    idem::IdempotencyGuard guard(store, {.lease = 30s, .retention = 1h});
+  // run_batch_async: the same on AsyncRedisStore's blocking face (one multiplexed connection: a
+  // batch's acquisitions and completions leave auto-batched).
+  auto run_batch_phase = [&](auto& on, const std::string& face) {
+    idem::IdempotencyGuard guard(on, {.lease = 30s, .retention = 1h});
     for (const long size : {1L, 10L, 100L, 500L}) {
       const long total = size == 1 ? a.messages : a.messages * 5;
       Phase best_new, best_dup;
       for (int rep = 0; rep < a.repeat; ++rep) {
-        const auto kb = make_keys("rb" + run + "r" + std::to_string(rep) + "s" + std::to_string(size) + ":", total);
+        const auto kb = make_keys("rb" + face + run + "r" + std::to_string(rep) + "s" + std::to_string(size) + ":", total);
         for (const bool dup : {false, true}) {
           std::atomic<long> unexpected{0};
           std::atomic<long> next{0};
@@ -523,7 +532,7 @@ int main(int argc, char** argv) try {
               }
             });
           for (auto& t : ts) t.join();
-          Phase ph{"run_batch" + std::to_string(size) + (dup ? "_dup" : "_new") + "_t" + std::to_string(a.batch_threads),
+          Phase ph{"run_batch" + face + std::to_string(size) + (dup ? "_dup" : "_new") + "_t" + std::to_string(a.batch_threads),
                    total, std::chrono::duration<double>(Clock::now() - t0).count(), admin.client_calls(),
                    unexpected.load(), admin.evalsha_usec(), admin.wait_calls()};
           Phase& b = dup ? best_dup : best_new;
@@ -533,7 +542,21 @@ int main(int argc, char** argv) try {
       report(best_new);
       report(best_dup);
     }
+  };
+  if (runs("run_batch")) run_batch_phase(store, "");
+#if IDEM_BENCH_ASYNC
+  if (runs("run_batch_async")) {
+    boost::asio::io_context io{1};
+    auto work = boost::asio::make_work_guard(io);
+    std::thread io_thread([&] { io.run(); });
+    {
+      idem::AsyncRedisStore async_store(io.get_executor(), o);
+      run_batch_phase(async_store, "_async");
+    }
+    work.reset();
+    io_thread.join();
   }
+#endif
 
   // SequenceGate, 1 in flight: complete_advance (one script) against the two-step fallback.
   if (runs("gate")) {

@@ -77,6 +77,12 @@ public:
   void submit(std::unique_ptr<Op> op) {
     net::post(strand_, [self = shared_from_this(), op = std::move(op)]() mutable { self->enqueue(std::move(op)); });
   }
+  // One post for all: the write they schedule finds them all queued.
+  void submit(std::vector<std::unique_ptr<Op>> ops) {
+    net::post(strand_, [self = shared_from_this(), ops = std::move(ops)]() mutable {
+      for (auto& op : ops) self->enqueue(std::move(op));
+    });
+  }
 
   // The store is going away: a connection being opened is waited for (it posts to the strand),
   // then every pending call fails and the socket closes.
@@ -540,6 +546,7 @@ std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const Redis
   return std::make_shared<Connection>(std::move(ex), o, std::move(factory), std::move(routing));
 }
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
+void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.submit(std::move(ops)); }
 void shutdown(Connection& c) { c.shutdown(); }
 AsyncRedisStats stats(const Connection& c) noexcept { return c.stats(); }
 

@@ -132,6 +132,7 @@ std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, con
                                             std::weak_ptr<Routing> routing = {});
 // Queues `op` (any thread); its finish() runs on the connection's strand.
 void submit(Connection& c, std::unique_ptr<Op> op);
+void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops);
 // Fails every pending request and closes the socket (the store is going away).
 void shutdown(Connection& c);
 AsyncRedisStats stats(const Connection& c) noexcept;
@@ -145,6 +146,8 @@ std::shared_ptr<Engine> make_engine(boost::asio::any_io_executor ex, const Redis
                                     std::shared_ptr<Client> client);
 // Sends `op` (any thread) to the server, or to the master of op->slot.
 void submit(Engine& e, std::unique_ptr<Op> op);
+// Sends every op of `ops` (any thread) in one turn of the loop, so they leave coalesced.
+void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops);
 void shutdown(Engine& e);
 AsyncRedisStats stats(const Engine& e) noexcept;
 

@@ -37,6 +37,25 @@ public:
     if (single_) return asio_redis::submit(*single_, std::move(op));
     route(std::move(op), nullptr);
   }
+  // Cluster mode: one post per master, so each master's share leaves coalesced (per slot).
+  void submit(std::vector<std::unique_ptr<Op>> ops) {
+    if (single_) return asio_redis::submit(*single_, std::move(ops));
+    std::vector<std::pair<std::shared_ptr<Connection>, std::vector<std::unique_ptr<Op>>>> per_master;
+    for (auto& op : ops) {
+      std::shared_ptr<Connection> conn;
+      if (auto e = capture([&] { conn = connection_to(client_->cluster_owner(op->slot)); })) {
+        fail(std::move(op), e);
+        continue;
+      }
+      auto it = std::find_if(per_master.begin(), per_master.end(), [&](const auto& p) { return p.first == conn; });
+      if (it == per_master.end()) {
+        per_master.emplace_back(std::move(conn), std::vector<std::unique_ptr<Op>>{});
+        it = std::prev(per_master.end());
+      }
+      it->second.push_back(std::move(op));
+    }
+    for (auto& [conn, share] : per_master) asio_redis::submit(*conn, std::move(share));
+  }
 
   void shutdown() {
     if (single_) return asio_redis::shutdown(*single_);
@@ -152,6 +171,7 @@ std::shared_ptr<Engine> make_engine(net::any_io_executor ex, const RedisOptions&
   return std::make_shared<Engine>(std::move(ex), o, std::move(client));
 }
 void submit(Engine& e, std::unique_ptr<Op> op) { e.submit(std::move(op)); }
+void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.submit(std::move(ops)); }
 void shutdown(Engine& e) { e.shutdown(); }
 AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }
 

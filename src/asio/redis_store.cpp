@@ -4,8 +4,12 @@
 
 #include "idem/asio/redis_store.hpp"
 
+#include <atomic>
+#include <condition_variable>
 #include <future>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -51,6 +55,57 @@ std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s
 
 
 }  // namespace
+
+// The answers of many requests sent together (acquire_many, a BatchWriter): each request's
+// completion fills its slot on the connection's strand; the caller waits until none is pending.
+template <class T>
+struct Gather {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<T> values;
+  std::vector<std::exception_ptr> errors;
+  std::size_t pending = 0;
+  std::atomic<bool> failed{false};
+
+  std::size_t add() {
+    std::lock_guard lk(mu);
+    values.emplace_back();
+    errors.emplace_back();
+    ++pending;
+    return values.size() - 1;
+  }
+  void wait() {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [&] { return pending == 0; });
+  }
+  // After wait(): the answers in order, or the first error.
+  std::vector<T> take() {
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
+    return std::move(values);
+  }
+};
+
+template <class T>
+struct GatherSlot final : Done<T> {
+  GatherSlot(std::shared_ptr<Gather<T>> g, std::size_t i) : g_(std::move(g)), i_(i) {}
+  void complete(std::exception_ptr e, T value) override {
+    std::lock_guard lk(g_->mu);
+    if (e) {
+      g_->errors[i_] = std::move(e);
+      g_->failed = true;
+    } else {
+      g_->values[i_] = std::move(value);
+    }
+    if (--g_->pending == 0) g_->cv.notify_all();
+  }
+
+private:
+  std::shared_ptr<Gather<T>> g_;
+  std::size_t i_;
+};
+
+struct BatchState : Gather<WriteStatus> {};
 
 }  // namespace idem::detail::asio_redis
 
@@ -170,6 +225,59 @@ void AsyncRedisStore::submit_inspect(std::string_view key, DonePtr<std::optional
         std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_inspect(r, k); }, cmd,
         Script::inspect, wait_, options_, key);
   });
+}
+
+std::vector<AcquireResult> AsyncRedisStore::acquire_many(std::span<const AcquireRequest> requests) {
+  using detail::asio_redis::Gather;
+  using detail::asio_redis::GatherSlot;
+  auto g = std::make_shared<Gather<AcquireResult>>();
+  std::vector<std::unique_ptr<detail::asio_redis::Op>> ops;
+  ops.reserve(requests.size());
+  for (const AcquireRequest& r : requests) {
+    detail::asio_redis::DonePtr<AcquireResult> done = std::make_unique<GatherSlot<AcquireResult>>(g, g->add());
+    std::exception_ptr e = detail::asio_redis::capture([&] {
+      Command cmd = detail::redis::acquire_command(options_, r.key, r.params);
+      ops.push_back(request<AcquireResult>(
+          std::move(done),
+          [t = r.params.token](const redisReply* rep, std::string_view k) { return detail::redis::parse_acquire(rep, k, t); },
+          cmd, Script::acquire, wait_, options_, r.key));
+    });
+    if (e) done->complete(e, AcquireResult{});  // bad input: that request's error, nothing sent for it
+  }
+  if (!ops.empty()) detail::asio_redis::submit(*engine_, std::move(ops));
+  g->wait();
+  return g->take();
+}
+
+AsyncRedisStore::BatchWriter::BatchWriter(AsyncRedisStore& store, std::shared_ptr<detail::asio_redis::BatchState> state)
+    : store_(&store), state_(std::move(state)) {}
+AsyncRedisStore::BatchWriter::BatchWriter(BatchWriter&&) noexcept = default;
+AsyncRedisStore::BatchWriter& AsyncRedisStore::BatchWriter::operator=(BatchWriter&&) noexcept = default;
+AsyncRedisStore::BatchWriter::~BatchWriter() {
+  if (state_) state_->wait();  // the requests' views (keys, results) are the caller's until sent
+}
+
+void AsyncRedisStore::BatchWriter::complete(std::string_view key, const Holder& h, std::string_view result,
+                                            millis retention) {
+  store_->submit_complete(key, h, result, retention, false,
+                          std::make_unique<detail::asio_redis::GatherSlot<WriteStatus>>(state_, state_->add()));
+}
+
+void AsyncRedisStore::BatchWriter::fail(std::string_view key, const Holder& h, const FailParams& f) {
+  store_->submit_fail(key, h, f, std::make_unique<detail::asio_redis::GatherSlot<WriteStatus>>(state_, state_->add()));
+}
+
+std::vector<WriteStatus> AsyncRedisStore::BatchWriter::finish() {
+  state_->wait();
+  auto out = state_->take();
+  state_ = std::make_shared<detail::asio_redis::BatchState>();  // the writer may be used again
+  return out;
+}
+
+bool AsyncRedisStore::BatchWriter::broken() const noexcept { return state_ && state_->failed.load(); }
+
+AsyncRedisStore::BatchWriter AsyncRedisStore::batch_writer() {
+  return BatchWriter(*this, std::make_shared<detail::asio_redis::BatchState>());
 }
 
 }  // namespace idem

@@ -9,7 +9,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <span>
 #include <string_view>
+#include <vector>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/associated_executor.hpp>
@@ -17,6 +19,7 @@
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/post.hpp>
 
+#include "idem/core/batch_store.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
 #include "idem/detail/warning_relay.hpp"
@@ -65,6 +68,7 @@ private:
 };
 
 class Engine;
+struct BatchState;
 
 }  // namespace detail::asio_redis
 
@@ -143,6 +147,39 @@ public:
   WriteStatus extend(std::string_view key, const Holder& h, millis lease);
   /// Blocking inspect.
   std::optional<Record> inspect(std::string_view key);
+
+  /// Decides each request exactly as acquire() would (BatchStore, for run_batch): all are queued
+  /// at once, so they leave coalesced, up to auto_batch keys per script call (per slot on a
+  /// cluster); results in request order. When one fails it throws (the first error) after every
+  /// answer is in; keys acquired by the others lapse after their lease (fail closed).
+  std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests);
+
+  /// The writes of one batch (BatchWriter): complete() and fail() queue their request at once, so
+  /// writes made while one is in flight leave together in one script call; finish() waits for
+  /// every answer. An answer lost is asked again as the same holder, as for the single calls. One
+  /// thread per writer; many writers (and other callers) may share the store.
+  class BatchWriter {
+  public:
+    BatchWriter(BatchWriter&&) noexcept;             ///< Movable.
+    BatchWriter& operator=(BatchWriter&&) noexcept;  ///< Movable.
+    ~BatchWriter();                                  ///< Waits for the writes still unanswered (they reference it).
+    /// Queues the completion of `key` by `h` now.
+    void complete(std::string_view key, const Holder& h, std::string_view result, millis retention);
+    /// Queues the failure (or release) of `key` by `h` now.
+    void fail(std::string_view key, const Holder& h, const FailParams& f);
+    /// Every answer, in the order of the writes; throws the first error after all are in.
+    std::vector<WriteStatus> finish();
+    /// A write already answered with an error (e.g. the connection broke): run_batch runs no more handlers.
+    [[nodiscard]] bool broken() const noexcept;
+
+  private:
+    friend class AsyncRedisStore;
+    BatchWriter(AsyncRedisStore& store, std::shared_ptr<detail::asio_redis::BatchState> state);
+    AsyncRedisStore* store_;
+    std::shared_ptr<detail::asio_redis::BatchState> state_;
+  };
+  /// A writer for one batch (BatchStore).
+  BatchWriter batch_writer();
 
   /// acquire() of RedisStore, asynchronously: completes with `void(std::exception_ptr, AcquireResult)`.
   template <class Token>
