@@ -11,15 +11,17 @@
 #include <fmt/format.h>
 
 #include "client.hpp"
+#include "sequence_requests.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/hex.hpp"
 #include "idem/detail/validate.hpp"
 
 namespace idem {
 
+namespace detail::redis {
+
 namespace {
 
-using namespace detail::redis;
 using detail::printable;
 
 // A stored value must be a canonical decimal uint64; anything else fails closed.
@@ -62,75 +64,64 @@ Command& entity_key(Command& cmd, const RedisOptions& o, std::string_view entity
   return cmd.joined({o.key_prefix, "seq:{", entity, "}"});
 }
 
-// The cluster slot of the entity's key (-1 off a cluster).
-int entity_slot(const Client& client, std::string_view entity) {
-  return client.slot_of({client.options().key_prefix, "seq:{", entity, "}"});
-}
-
-// complete_advance is a holder's step that recognises itself done (a retried one completes
-// nothing and its compare-and-set does not advance an equal sequence), so a lost reply is asked
-// again; sequence_advance is not resent: a second run would report "not advanced".
-template <class What>
-ReplyPtr run(Client& client, Script s, Command& cmd, int slot, const What& what) {
-  const Resend resend = s == Script::complete_advance ? Resend::same_holder : Resend::never;
-  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints, resend, slot);
-  throw_if_error(r.get(), sequence_hints, what);
-  return r;
-}
-
-// GET and DEL of the entity's key: one plain command whose reply must be of `expected` type (or nil).
-ReplyPtr key_command(Client& client, const char* name, std::string_view entity, int expected) {
-  auto what = [&] { return fmt::format("{} of the sequence of entity '{}'", name, printable(entity)); };
-  Command cmd;
-  entity_key(cmd.arg(name), client.options(), entity);
-  ReplyPtr r = client.call(cmd.format(), "to the command", entity_slot(client, entity));
-  throw_if_error(r.get(), sequence_hints, what);
-  if (r->type != expected && r->type != REDIS_REPLY_NIL) throw_bad_reply(what());
-  return r;
+auto key_what(const char* name, std::string_view entity) {
+  return [=] { return fmt::format("{} of the sequence of entity '{}'", name, printable(entity)); };
 }
 
 }  // namespace
 
-RedisSequenceStore::RedisSequenceStore(RedisStore& store) : RedisSequenceStore(store.client()) {}
-RedisSequenceStore::RedisSequenceStore(std::shared_ptr<RedisClient> client)
-    : ClientHandle(std::move(client), "RedisSequenceStore") {}
-RedisSequenceStore::RedisSequenceStore(RedisOptions options)
-    : RedisSequenceStore(std::make_shared<RedisClient>(std::move(options))) {}
-
-std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view entity) {
-  detail::check_entity(entity);
-  ReplyPtr r = key_command(impl(), "GET", entity, REDIS_REPLY_STRING);
-  if (r->type == REDIS_REPLY_NIL) return std::nullopt;
-  return parse_seq(reply_text(r.get()), entity);
+std::string sequence_key(const RedisOptions& o, std::string_view entity) {
+  return o.key_prefix + "seq:{" + std::string(entity) + "}";
 }
 
-AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t seq) {
+Command sequence_key_command(const char* name, const RedisOptions& o, std::string_view entity) {
   detail::check_entity(entity);
-  Client& c = impl();
-  auto what = [&] { return fmt::format("sequence_advance of entity '{}'", printable(entity)); };
+  Command cmd;
+  entity_key(cmd.arg(name), o, entity);
+  return cmd;
+}
+
+std::optional<std::uint64_t> parse_sequence_get(const redisReply* r, std::string_view entity) {
+  if (r->type == REDIS_REPLY_NIL) return std::nullopt;
+  if (r->type != REDIS_REPLY_STRING) throw_bad_reply(key_what("GET", entity)());
+  return parse_seq(reply_text(r), entity);
+}
+
+bool parse_sequence_del(const redisReply* r, std::string_view entity) {
+  if (r->type != REDIS_REPLY_INTEGER) throw_bad_reply(key_what("DEL", entity)());
+  return r->integer > 0;
+}
+
+Command sequence_advance_command(const RedisOptions& o, std::string_view entity, std::uint64_t seq) {
+  detail::check_entity(entity);
   Command cmd = Client::evalsha(Script::sequence_advance, 1);
-  entity_key(cmd, c.options(), entity).arg(seq);
-  ReplyPtr r = run(c, Script::sequence_advance, cmd, entity_slot(c, entity), what);
-  expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
+  entity_key(cmd, o, entity).arg(seq);
+  return cmd;
+}
+
+AdvanceResult parse_sequence_advance(const redisReply* r, std::string_view entity, std::uint64_t seq) {
+  auto what = [&] { return fmt::format("sequence_advance of entity '{}'", printable(entity)); };
+  expect_array(r, {REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
   return advance_result(r->element[0]->integer, reply_text(r->element[1]), entity, seq, what);
 }
 
-CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, std::string_view key, const Holder& h,
-                                                          std::string_view result, millis retention,
-                                                          std::string_view entity, std::uint64_t seq) {
+Command complete_advance_command(const RedisOptions& o, std::string_view key, const Holder& h, std::string_view result,
+                                 millis retention, std::string_view entity, std::uint64_t seq) {
   detail::check_entity(entity);
   detail::check_holder(key, h);
   detail::check_lease(retention, "retention");
-  Client& c = impl();
+  Command cmd = Client::evalsha(Script::complete_advance, 2);
+  cmd.joined({o.key_prefix, key});
+  entity_key(cmd, o, entity).arg(h.fence).token(h.token).arg(result).arg(retention.count()).arg(seq);
+  return cmd;
+}
+
+CompleteAdvanceResult parse_complete_advance(const redisReply* r, std::string_view key, std::string_view entity,
+                                             std::uint64_t seq) {
   auto what = [&] {
     return fmt::format("complete_advance of key '{}' and entity '{}'", printable(key), printable(entity));
   };
-  const int slot = checked_slot(store, key, entity);
-  Command cmd = Client::evalsha(Script::complete_advance, 2);
-  cmd.joined({c.options().key_prefix, key});
-  entity_key(cmd, c.options(), entity).arg(h.fence).token(h.token).arg(result).arg(retention.count()).arg(seq);
-  ReplyPtr r = run(c, Script::complete_advance, cmd, slot, what);
-  expect_array(r.get(), {REDIS_REPLY_INTEGER, REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
+  expect_array(r, {REDIS_REPLY_INTEGER, REDIS_REPLY_INTEGER, REDIS_REPLY_STRING}, what);
   CompleteAdvanceResult out;
   if (r->element[0]->integer != 1) return out;  // lease lost: the script wrote nothing
   out.status = WriteStatus::ok;
@@ -151,6 +142,82 @@ CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, st
   return out;
 }
 
+int check_advance_slot(int key_slot, int entity_slot, std::string_view key, std::string_view entity) {
+  // Refused here rather than answered CROSSSLOT by the server.
+  if (entity_slot >= 0 && key_slot != entity_slot)
+    throw usage_error(
+        fmt::format("idem: on a Redis Cluster the key '{}' and the sequence of entity '{}' must hash "
+                    "to one slot (one script writes both): put the entity's hash tag in the key, as "
+                    "'{{{}}}:{}' (a key's first {{...}} decides its slot); or complete and advance in "
+                    "two steps",
+                    printable(key), printable(entity), printable(entity), printable(key)));
+  return entity_slot;
+}
+
+}  // namespace detail::redis
+
+namespace {
+
+using namespace detail::redis;
+using detail::printable;
+
+// The cluster slot of the entity's key (-1 off a cluster).
+int entity_slot(const Client& client, std::string_view entity) {
+  return client.slot_of({client.options().key_prefix, "seq:{", entity, "}"});
+}
+
+// complete_advance is a holder's step that recognises itself done (a retried one completes
+// nothing and its compare-and-set does not advance an equal sequence), so a lost reply is asked
+// again; sequence_advance is not resent: a second run would report "not advanced".
+template <class What>
+ReplyPtr run(Client& client, Script s, Command& cmd, int slot, const What& what) {
+  const Resend resend = s == Script::complete_advance ? Resend::same_holder : Resend::never;
+  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints, resend, slot);
+  throw_if_error(r.get(), sequence_hints, what);
+  return r;
+}
+
+// GET and DEL of the entity's key: one plain command.
+ReplyPtr key_command(Client& client, const char* name, std::string_view entity) {
+  Command cmd = sequence_key_command(name, client.options(), entity);
+  ReplyPtr r = client.call(cmd.format(), "to the command", entity_slot(client, entity));
+  throw_if_error(r.get(), sequence_hints, key_what(name, entity));
+  return r;
+}
+
+}  // namespace
+
+RedisSequenceStore::RedisSequenceStore(RedisStore& store) : RedisSequenceStore(store.client()) {}
+RedisSequenceStore::RedisSequenceStore(std::shared_ptr<RedisClient> client)
+    : ClientHandle(std::move(client), "RedisSequenceStore") {}
+RedisSequenceStore::RedisSequenceStore(RedisOptions options)
+    : RedisSequenceStore(std::make_shared<RedisClient>(std::move(options))) {}
+
+std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view entity) {
+  ReplyPtr r = key_command(impl(), "GET", entity);
+  return parse_sequence_get(r.get(), entity);
+}
+
+AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t seq) {
+  Client& c = impl();
+  Command cmd = sequence_advance_command(c.options(), entity, seq);
+  ReplyPtr r = run(c, Script::sequence_advance, cmd, entity_slot(c, entity),
+                   [&] { return fmt::format("sequence_advance of entity '{}'", printable(entity)); });
+  return parse_sequence_advance(r.get(), entity, seq);
+}
+
+CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, std::string_view key, const Holder& h,
+                                                          std::string_view result, millis retention,
+                                                          std::string_view entity, std::uint64_t seq) {
+  Client& c = impl();
+  Command cmd = complete_advance_command(c.options(), key, h, result, retention, entity, seq);
+  const int slot = checked_slot(store, key, entity);
+  ReplyPtr r = run(c, Script::complete_advance, cmd, slot, [&] {
+    return fmt::format("complete_advance of key '{}' and entity '{}'", printable(key), printable(entity));
+  });
+  return parse_complete_advance(r.get(), key, entity, seq);
+}
+
 // The checks complete_advance makes before sending; the slot both keys share (-1 off a cluster).
 int RedisSequenceStore::checked_slot(RedisStore& store, std::string_view key, std::string_view entity) const {
   Client& c = impl();
@@ -159,16 +226,7 @@ int RedisSequenceStore::checked_slot(RedisStore& store, std::string_view key, st
     throw usage_error("idem: this RedisSequenceStore and the RedisStore it completes for run on different "
                       "RedisClients; build the sequence store from the store (RedisSequenceStore{store})");
   // On a cluster the two keys must share a slot, which the entity's hash tag in the key gives.
-  // Refused here rather than answered CROSSSLOT by the server.
-  const int slot = entity_slot(c, entity);
-  if (slot >= 0 && c.slot_of({c.options().key_prefix, key}) != slot)
-    throw usage_error(
-        fmt::format("idem: on a Redis Cluster the key '{}' and the sequence of entity '{}' must hash "
-                    "to one slot (one script writes both): put the entity's hash tag in the key, as "
-                    "'{{{}}}:{}' (a key's first {{...}} decides its slot); or complete and advance in "
-                    "two steps",
-                    printable(key), printable(entity), printable(entity), printable(key)));
-  return slot;
+  return check_advance_slot(c.slot_of({c.options().key_prefix, key}), entity_slot(c, entity), key, entity);
 }
 
 void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_view key, std::string_view entity) {
@@ -176,15 +234,12 @@ void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_v
 }
 
 bool RedisSequenceStore::erase(std::string_view entity) {
-  detail::check_entity(entity);
-  ReplyPtr r = key_command(impl(), "DEL", entity, REDIS_REPLY_INTEGER);
-  if (r->type != REDIS_REPLY_INTEGER)
-    throw_bad_reply(fmt::format("DEL of the sequence of entity '{}'", printable(entity)));
-  return r->integer > 0;
+  ReplyPtr r = key_command(impl(), "DEL", entity);
+  return parse_sequence_del(r.get(), entity);
 }
 
 std::string RedisSequenceStore::sequence_key(std::string_view entity) const {
-  return impl().options().key_prefix + "seq:{" + std::string(entity) + "}";
+  return detail::redis::sequence_key(impl().options(), entity);
 }
 
 }  // namespace idem
