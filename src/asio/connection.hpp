@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,6 +51,7 @@ struct Op {
   std::string bytes;
   std::string key;            // the caller's key (its parse and messages use it)
   std::string label;          // set for a coalesced call and the connection's own requests
+  const ReplyErrorHints* hints = &store_hints;  // the advice an error reply gets (the sequence store's differs)
   // "acquire of key 'k'", for messages: built only when one is (the hot path formats nothing).
   [[nodiscard]] std::string describe() const;
   Script script = Script::acquire;
@@ -101,6 +103,28 @@ inline constexpr std::size_t max_coalesced_bytes = 1 << 20;
 template <class T>
 using DonePtr = std::unique_ptr<Done<T>>;
 
+// A blocking call's completion: fulfils the promise the caller waits on, on the connection's
+// strand (no hop through another executor).
+template <class T>
+struct Waiter final : Done<T> {
+  std::promise<T> promise;
+  void complete(std::exception_ptr e, T value) override {
+    if (e)
+      promise.set_exception(e);
+    else
+      promise.set_value(std::move(value));
+  }
+};
+
+// Submits through `submit(DonePtr<T>)` and waits for the answer (the blocking members).
+template <class T, class Submit>
+T wait_for(Submit&& submit) {
+  auto w = std::make_unique<Waiter<T>>();
+  std::future<T> f = w->promise.get_future();
+  submit(std::move(w));
+  return f.get();
+}
+
 template <class T, class Parse>
 struct Call final : Op {
   Call(DonePtr<T> d, Parse p) : done(std::move(d)), parse(std::move(p)) {}
@@ -108,7 +132,7 @@ struct Call final : Op {
     if (!e) {
       T value{};
       e = capture([&] {
-        throw_if_error(reply.get(), store_hints, [&] { return describe(); });
+        throw_if_error(reply.get(), *hints, [&] { return describe(); });
         value = parse(reply.get(), std::string_view(key));
       });
       if (!e) {

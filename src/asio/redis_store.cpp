@@ -137,28 +137,7 @@ static void submit_checked(Engine& c, detail::asio_redis::DonePtr<T>& done, Make
   detail::asio_redis::submit(c, std::move(op));
 }
 
-namespace {
-// A blocking call's completion: fulfils the promise the caller waits on, on the connection's
-// strand (no hop through another executor).
-template <class T>
-struct Waiter final : detail::asio_redis::Done<T> {
-  std::promise<T> promise;
-  void complete(std::exception_ptr e, T value) override {
-    if (e)
-      promise.set_exception(e);
-    else
-      promise.set_value(std::move(value));
-  }
-};
-
-template <class T, class Submit>
-T wait_for(Submit&& submit) {
-  auto w = std::make_unique<Waiter<T>>();
-  std::future<T> f = w->promise.get_future();
-  submit(std::move(w));
-  return f.get();
-}
-}  // namespace
+using detail::asio_redis::wait_for;
 
 AcquireResult AsyncRedisStore::acquire(std::string_view key, const AcquireParams& p) {
   return wait_for<AcquireResult>([&](auto w) { submit_acquire(key, p, std::move(w)); });

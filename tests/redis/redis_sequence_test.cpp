@@ -20,6 +20,10 @@
 #include "idem/redis.hpp"
 #include "idem/redis/hash_slot.hpp"
 #include "redis_factory.hpp"
+#if IDEM_TEST_ASYNC
+#include "asio_factory.hpp"
+#include "idem/asio/sequence_store.hpp"
+#endif
 
 using namespace std::chrono_literals;
 using idem::RedisSequenceStore;
@@ -40,7 +44,8 @@ idem::RedisOptions opts() {
   return o;
 }
 
-// A RedisStore, its guard and a RedisSequenceStore on the same server (and key prefix).
+// A RedisStore, its guard and a RedisSequenceStore on the same server (and key prefix): the
+// blocking face. The cases written over `TestType` run on both faces of the engine.
 struct GateFixture {
   idem::RedisOptions o = opts();
   idem::RedisStore store{o};
@@ -48,10 +53,28 @@ struct GateFixture {
   idem::IdempotencyGuard<idem::RedisStore> guard{store, {.lease = 10s, .retention = 1h}};
 };
 
+#if IDEM_TEST_ASYNC
+idem::test::IoThread& io_thread() {
+  static idem::test::IoThread io;
+  return io;
+}
+// The same on AsyncRedisStore's connections (AsyncRedisSequenceStore): the async face.
+struct AsyncGateFixture {
+  idem::RedisOptions o = opts();
+  idem::AsyncRedisStore store{io_thread().io.get_executor(), o};
+  idem::AsyncRedisSequenceStore seqs{store};
+  idem::IdempotencyGuard<idem::AsyncRedisStore> guard{store, {.lease = 10s, .retention = 1h}};
+};
+#define IDEM_SEQ_FACES GateFixture, AsyncGateFixture
+#else
+#define IDEM_SEQ_FACES GateFixture
+#endif
+
 }  // namespace
 
-TEST_CASE("redis sequence: compare-and-set in order, older, equal, gaps") {
-  RedisSequenceStore s{opts()};
+TEMPLATE_TEST_CASE("redis sequence: compare-and-set in order, older, equal, gaps", "", IDEM_SEQ_FACES) {
+  TestType f;
+  auto& s = f.seqs;
   CHECK_FALSE(s.last_applied("acct-1").has_value());
 
   auto a = s.advance("acct-1", 3);
@@ -83,8 +106,9 @@ TEST_CASE("redis sequence: compare-and-set in order, older, equal, gaps") {
   CHECK_FALSE(s.advance("acct-2", 0).advanced);
 }
 
-TEST_CASE("redis sequence: exact over the whole uint64 range (decimal compare, not Lua doubles)") {
-  RedisSequenceStore s{opts()};
+TEMPLATE_TEST_CASE("redis sequence: exact over the whole uint64 range (decimal compare, not Lua doubles)", "", IDEM_SEQ_FACES) {
+  TestType f;
+  auto& s = f.seqs;
   const std::uint64_t two53 = std::uint64_t{1} << 53;  // 2^53 + 1 is 2^53 as a Lua double
   CHECK(s.advance("e", two53).advanced);
   CHECK(s.advance("e", two53 + 1).advanced);
@@ -117,16 +141,18 @@ TEST_CASE("redis sequence: key layout, hash tag shared with tagged idempotency k
   CHECK_FALSE(s.last_applied("acct-42").has_value());
 }
 
-TEST_CASE("redis sequence: the script reloads itself after SCRIPT FLUSH") {
-  RedisSequenceStore s{opts()};
+TEMPLATE_TEST_CASE("redis sequence: the script reloads itself after SCRIPT FLUSH", "", IDEM_SEQ_FACES) {
+  TestType f;
+  auto& s = f.seqs;
   CHECK(s.advance("x", 1).advanced);
   server().command({"SCRIPT", "FLUSH"});
   CHECK(s.advance("x", 2).advanced);
   CHECK(s.last_applied("x") == 2u);
 }
 
-TEST_CASE("redis sequence: binary-safe entity ids") {
-  RedisSequenceStore s{opts()};
+TEMPLATE_TEST_CASE("redis sequence: binary-safe entity ids", "", IDEM_SEQ_FACES) {
+  TestType f;
+  auto& s = f.seqs;
   const std::string a("acct\0one", 8), b("acct\0two", 8), braces = "{x}y}\r\n\xff";
   CHECK(s.advance(a, 5).advanced);
   CHECK(s.advance(b, 1).advanced);
@@ -137,9 +163,9 @@ TEST_CASE("redis sequence: binary-safe entity ids") {
   CHECK_FALSE(s.last_applied(std::string("acct", 4)).has_value());
 }
 
-TEST_CASE("redis sequence: bad input and damaged values are typed errors") {
-  auto o = opts();
-  RedisSequenceStore s{o};
+TEMPLATE_TEST_CASE("redis sequence: bad input and damaged values are typed errors", "", IDEM_SEQ_FACES) {
+  TestType f;
+  auto& s = f.seqs;
   CHECK_THROWS_AS(s.advance("", 1), idem::invalid_entity_error);
   CHECK_THROWS_AS(s.last_applied(""), idem::invalid_entity_error);
   CHECK_THROWS_AS(s.advance(std::string(2000, 'x'), 1), idem::invalid_entity_error);
@@ -157,7 +183,10 @@ TEST_CASE("redis sequence: bad input and damaged values are typed errors") {
     CHECK(e.code() == "WRONGTYPE");
     CHECK_FALSE(e.retryable());
   }
+}
 
+TEST_CASE("redis sequence: a moved-from store refuses calls") {
+  RedisSequenceStore s{opts()};
   RedisSequenceStore moved = std::move(s);
   CHECK_THROWS_AS(s.advance("a", 1), idem::usage_error);  // NOLINT(bugprone-use-after-move)
   CHECK(moved.advance("a", 1).advanced);
@@ -173,13 +202,14 @@ TEST_CASE("redis sequence: an unreachable server is a connection_error") {
   CHECK_THROWS_AS(RedisSequenceStore{o}, idem::invalid_options_error);
 }
 
-TEST_CASE("redis sequence: 8 threads on shared entities end at the max, each advance once") {
-  RedisSequenceStore s{opts()};
+TEMPLATE_TEST_CASE("redis sequence: 8 threads on shared entities end at the max, each advance once", "", IDEM_SEQ_FACES) {
+  TestType f;
+  auto& s = f.seqs;
   idem::contract::advance_race(s, "ent-", 8, 4, 60);
 }
 
-TEST_CASE("redis sequence: SequenceGate over RedisStore answers stale and advances") {
-  GateFixture f;
+TEMPLATE_TEST_CASE("redis sequence: SequenceGate over RedisStore answers stale and advances", "", IDEM_SEQ_FACES) {
+  TestType f;
   auto& [o, store, seqs, guard] = f;
   idem::SequenceGate gate{seqs};
   std::vector<std::uint64_t> ran;
@@ -228,8 +258,8 @@ long evalsha_calls() {
 }
 }  // namespace
 
-TEST_CASE("redis sequence: SequenceGate completes and advances in one script") {
-  GateFixture f;
+TEMPLATE_TEST_CASE("redis sequence: SequenceGate completes and advances in one script", "", IDEM_SEQ_FACES) {
+  TestType f;
   auto& [o, store, seqs, guard] = f;
   idem::SequenceGate gate{seqs};
   int ran = 0;
@@ -275,8 +305,9 @@ TEST_CASE("redis sequence: SequenceGate completes and advances in one script") {
   CHECK(seqs.last_applied("acct-9") == 2u);
 }
 
-TEST_CASE("redis sequence: a damaged sequence key fails closed after the result is recorded") {
-  GateFixture f;
+TEMPLATE_TEST_CASE("redis sequence: a damaged sequence key fails closed after the result is recorded", "",
+                   IDEM_SEQ_FACES) {
+  TestType f;
   auto& [o, store, seqs, guard] = f;
   int ran = 0;
   auto handler = [&] { return ++ran; };
@@ -304,7 +335,15 @@ TEST_CASE("redis sequence: a damaged sequence key fails closed after the result 
     CHECK(e.code() == "WRONGTYPE");
   }
   CHECK(store.inspect("{list}:evt-1")->state == idem::State::completed);
+  auto c = store.acquire("{acct}:evt-1", p);
+  CHECK_THROWS_AS(seqs.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "", 1), idem::invalid_entity_error);
+  CHECK(store.inspect("{acct}:evt-1")->state == idem::State::in_progress);
+}
 
+TEST_CASE("redis sequence: complete_advance is refused for a store on another client") {
+  GateFixture f;
+  auto& [o, store, seqs, guard] = f;
+  idem::AcquireParams p{.lease = 10s, .retention = 1h, .token = 5};
   // One script writes both keys: a sequence store on another database cannot complete for this store.
   auto other = o;
   other.db = 1;
@@ -315,8 +354,40 @@ TEST_CASE("redis sequence: a damaged sequence key fails closed after the result 
   RedisSequenceStore twin{o};
   CHECK_THROWS_AS(twin.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "acct", 1), idem::usage_error);
   CHECK(store.inspect("{acct}:evt-1")->state == idem::State::in_progress);
-  CHECK_THROWS_AS(seqs.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "", 1), idem::invalid_entity_error);
 }
+
+#if IDEM_TEST_ASYNC
+TEST_CASE("redis sequence: AsyncRedisSequenceStore completes only for its own store, and awaits") {
+  AsyncGateFixture f;
+  auto& [o, store, seqs, guard] = f;
+  AsyncGateFixture other;
+  idem::AcquireParams p{.lease = 10s, .retention = 1h, .token = 5};
+  auto c = store.acquire("{acct}:evt-1", p);
+  CHECK_THROWS_AS(other.seqs.complete_advance(store, "{acct}:evt-1", c.holder, "", 1h, "acct", 1), idem::usage_error);
+  CHECK(store.inspect("{acct}:evt-1")->state == idem::State::in_progress);
+  // The async members, awaited.
+  auto& io = io_thread();
+  const auto first = io.run([&]() -> boost::asio::awaitable<idem::AdvanceResult> {
+    co_return co_await seqs.async_advance("acct", 4, boost::asio::use_awaitable);
+  }());
+  CHECK(first.advanced);
+  const auto done = io.run([&]() -> boost::asio::awaitable<idem::CompleteAdvanceResult> {
+    co_return co_await seqs.async_complete_advance(store, "{acct}:evt-1", c.holder, "r", 1h, "acct", 5,
+                                                   boost::asio::use_awaitable);
+  }());
+  CHECK(done.status == idem::WriteStatus::ok);
+  CHECK(done.advance.previous == 4u);
+  const auto last = io.run([&]() -> boost::asio::awaitable<std::optional<std::uint64_t>> {
+    co_return co_await seqs.async_last_applied("acct", boost::asio::use_awaitable);
+  }());
+  CHECK(last == 5u);
+  // Bad input fails the awaited call, nothing sent.
+  CHECK_THROWS_AS(io.run([&]() -> boost::asio::awaitable<idem::AdvanceResult> {
+                    co_return co_await seqs.async_advance("", 1, boost::asio::use_awaitable);
+                  }()),
+                  idem::invalid_entity_error);
+}
+#endif
 
 TEST_CASE("redis sequence: stores over one shared RedisClient complete and advance in one script") {
   auto client = std::make_shared<idem::RedisClient>(opts());

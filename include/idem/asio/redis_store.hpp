@@ -69,6 +69,7 @@ private:
 
 class Engine;
 struct BatchState;
+struct SequenceRequests;
 
 }  // namespace detail::asio_redis
 
@@ -218,6 +219,8 @@ public:
   }
 
 private:
+  friend class AsyncRedisSequenceStore;           // sends on this store's connections
+  friend struct detail::asio_redis::SequenceRequests;
   template <class T>
   using DonePtr = std::unique_ptr<detail::asio_redis::Done<T>>;
 
