@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abcdefgi] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcdefgijk] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -36,8 +36,15 @@
 //   (i) as (f), the records on a Redis Cluster of its own (3 masters, a replica each, AsyncRedisStore
 //       from a redis-cluster:// URL, min_replica_acks 1, auto-batched per slot): at 30% of the
 //       deliveries a master is SIGKILLed, its replica takes over, and the old master comes back as a
-//       replica, all while consumers are killed and restarted (IDEM_CHAOS_CLUSTER_URL).
-// Exit status 1 when (a), (b), (d), (e), (f), (g) or (i) has a double effect, a lost message or a wrong balance, when
+//       replica, all while consumers are killed and restarted (IDEM_CHAOS_CLUSTER_URL);
+//   (j) as (a) on a replicated PostgreSQL pair (tests/postgres/pg_pair.sh, synchronous replication,
+//       one multi-host conninfo with target_session_attrs=read-write): at 25%, 50% and 75% of the
+//       deliveries the primary is SIGKILLed, the standby promoted and a new standby attached
+//       (pg_basebackup -R) in the dead one's place; IDEM_CHAOS_PG_ASYNC=1 runs the pair with
+//       asynchronous replication instead and reports, without failing on them, what is lost;
+//   (k) as (j), PostgresStore in lease mode: the claim and completion are short transactions of
+//       their own, the handler's business transaction dedupes with applied_events ON CONFLICT.
+// Exit status 1 when (a), (b), (d), (e), (f), (g), (i), (j) or (k) has a double effect, a lost message or a wrong balance, when
 // any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
@@ -428,17 +435,30 @@ int worker_main(int argc, char** argv) {
 
   auto run_one = [&](const Entry& e, Pg& db) -> idem::Status {
     const std::string payload = e.account + "|" + e.amount;
-    if (setup == 'a') {
+    if (setup == 'a' || setup == 'j') {
       if (!pgs) {
         pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .pool = {.size = 2, .wait = idem::millis{3000}},
                                           .statement_timeout = idem::millis{5000}},
-                    idem::PostgresStoreOptions{.table = "records_a", .mode = idem::PostgresMode::transactional});
+                    idem::PostgresStoreOptions{.table = "records_" + T, .mode = idem::PostgresMode::transactional});
         pguard.emplace(*pgs, go);
       }
       auto out = pguard->run(e.event, payload, [&](const idem::BasicContext<idem::PostgresStore::Transaction>& ctx) {
-        ctx.tx->exec("UPDATE a_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount, e.account);
-        ctx.tx->exec("INSERT INTO a_effects(event_id) VALUES ($1)", e.event);
+        ctx.tx->exec("UPDATE " + T + "_accounts SET balance = balance + $1::bigint WHERE id = $2::int", e.amount,
+                     e.account);
+        ctx.tx->exec("INSERT INTO " + T + "_effects(event_id) VALUES ($1)", e.event);
       });
+      return out.status;
+    }
+    if (setup == 'k') {
+      if (!pgs) {
+        pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .pool = {.size = 2, .wait = idem::millis{3000}},
+                                          .statement_timeout = idem::millis{5000}},
+                    idem::PostgresStoreOptions{.table = "records_k", .mode = idem::PostgresMode::lease});
+        pguard.emplace(*pgs, go);
+      }
+      bool skipped = false;
+      auto out = pguard->run(e.event, payload, [&] { skipped = !apply_once(e, db); });
+      if (skipped) stats.note('K');
       return out.status;
     }
     if (setup == 'd') {
@@ -734,8 +754,8 @@ std::string self_exe() {
 }
 
 // Runs pg_cluster.sh and waits; the driver has no other threads, so fork+exec is safe.
-int run_pg_cluster(const std::vector<std::string>& args, int log_fd) {
-  std::vector<std::string> a{"/bin/sh", IDEM_PG_CLUSTER_SCRIPT};
+int run_script(const char* script, const std::vector<std::string>& args, int log_fd) {
+  std::vector<std::string> a{"/bin/sh", script};
   a.insert(a.end(), args.begin(), args.end());
   const pid_t pid = idem::test::spawn(a, log_fd);
   int st = 0;
@@ -743,6 +763,7 @@ int run_pg_cluster(const std::vector<std::string>& args, int log_fd) {
   }
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
+int run_pg_cluster(const std::vector<std::string>& args, int log_fd) { return run_script(IDEM_PG_CLUSTER_SCRIPT, args, log_fd); }
 
 struct Counts {
   std::map<char, long long> c;
@@ -790,17 +811,39 @@ public:
     std::filesystem::create_directories(dir);
     Result res;
 
+    // (j), (k): a replicated pair of their own; everything of the setup (records, business tables,
+    // the consumers' sessions) goes through its multi-host conninfo.
+    const bool on_pair = setup == 'j' || setup == 'k';
+    const bool pair_async = on_pair && std::getenv("IDEM_CHAOS_PG_ASYNC") &&
+                            std::string(std::getenv("IDEM_CHAOS_PG_ASYNC")) == "1";
+    struct PairGuard {
+      std::string state;
+      int fd;
+      ~PairGuard() {
+        if (!state.empty()) run_script(IDEM_PG_PAIR_SCRIPT, {"stop", state}, fd);
+      }
+    } pair{on_pair ? dir + "/pair" : std::string(), log_fd_};
+    std::string ci = conninfo_;
+    if (on_pair) {
+      if (run_script(IDEM_PG_PAIR_SCRIPT, {"start", pair.state, pair_async ? "async" : "sync"}, log_fd_) != 0)
+        throw std::runtime_error("pg_pair.sh start failed (see the children's log)");
+      std::ifstream in(pair.state + "/conninfo");
+      std::getline(in, ci);
+    }
+
     // Tables: accounts, the append-only effects log (no uniqueness: it counts every application).
     {
-      Pg pg(conninfo_);
+      Pg pg(ci);
       pg.exec("SET client_min_messages = warning");
       pg.exec("DROP TABLE IF EXISTS " + T + "_accounts, " + T + "_effects, " + T + "_applied");
       pg.exec("CREATE TABLE " + T + "_accounts (id int PRIMARY KEY, balance bigint NOT NULL DEFAULT 0)");
       pg.exec("INSERT INTO " + T + "_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
       pg.exec("CREATE TABLE " + T + "_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
-      if (setup == 'b' || setup == 'f' || setup == 'g' || setup == 'i') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
-      if (setup == 'a') {
-        idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_a", .mode = idem::PostgresMode::transactional});
+      if (setup == 'b' || setup == 'f' || setup == 'g' || setup == 'i' || setup == 'k') pg.exec("CREATE TABLE " + T + "_applied (event_id text PRIMARY KEY)");
+      if (setup == 'a' || setup == 'j' || setup == 'k') {
+        idem::PostgresStore s({.conninfo = ci}, {.table = "records_" + T,
+                                                 .mode = setup == 'k' ? idem::PostgresMode::lease
+                                                                      : idem::PostgresMode::transactional});
         s.migrate();
       }
       if (setup == 'd') {
@@ -862,7 +905,7 @@ public:
     auto spawn = [&](int slot) {
       const std::string name = "consumer-" + std::to_string(slot);
       pids[static_cast<size_t>(slot)] =
-          idem::test::spawn({exe_, "worker", T, std::to_string(redis_.port()), conninfo_ + " connect_timeout=2", name,
+          idem::test::spawn({exe_, "worker", T, std::to_string(redis_.port()), ci + " connect_timeout=2", name,
                              dir + "/stats-" + std::to_string(++incarnation)},
                             log_fd_);
     };
@@ -876,10 +919,10 @@ public:
     std::vector<pid_t> epids;
     long long relay_kills = 0, downstream_kills = 0;
     auto spawn_e = [&](size_t slot) {
-      const std::string ci = conninfo_ + " connect_timeout=2";
+      const std::string eci = ci + " connect_timeout=2";
       epids[slot] = idem::test::spawn(
-          slot < 2 ? std::vector<std::string>{exe_, "relay", std::to_string(redis_.port()), ci}
-                   : std::vector<std::string>{exe_, "worker", T, std::to_string(redis_.port()), ci,
+          slot < 2 ? std::vector<std::string>{exe_, "relay", std::to_string(redis_.port()), eci}
+                   : std::vector<std::string>{exe_, "worker", T, std::to_string(redis_.port()), eci,
                                               "down-" + std::to_string(slot), dir + "/down-stats-" + std::to_string(++incarnation)},
           log_fd_);
     };
@@ -896,6 +939,7 @@ public:
     long long republished = 0;
     long long crashes = 0, unexpected_exits = 0, restarts = 0;
     bool redis_restarted = false, pg_restarted = false;
+    long long pg_failovers = 0;
     auto last_check = t0;
     const size_t chunk = 400;  // per 50 ms: 8,000 events/s, so production overlaps consumption
     auto next_publish = t0;
@@ -986,7 +1030,20 @@ public:
         std::fprintf(stderr, "[%c] fast-tier redis-server (no persistence) SIGKILLed and restarted empty at %.1f s\n",
                      setup, std::chrono::duration<double>(Clock::now() - t0).count());
       }
-      if (redis_restarted && !pg_restarted && progress * 100 >= planned * 65 * 2) {
+      // (j), (k): failovers at 25%, 50% and 75%: the primary SIGKILLed, the standby promoted, a new
+      // standby attached where the dead one was (in sync mode commits wait for it meanwhile).
+      if (on_pair && pg_failovers < 3 && progress * 100 >= planned * 2 * 25 * (pg_failovers + 1)) {
+        const auto f0 = Clock::now();
+        for (const char* step : {"kill-primary", "promote", "attach"})
+          if (run_script(IDEM_PG_PAIR_SCRIPT, {step, pair.state}, log_fd_) != 0)
+            throw std::runtime_error(std::string("pg_pair.sh ") + step + " failed (see the children's log)");
+        ++pg_failovers;
+        pg_restarted = pg_failovers == 3;
+        std::fprintf(stderr, "[%c] PostgreSQL failover %lld at %.1f s: primary SIGKILLed, standby promoted, new standby "
+                     "attached (took %.1f s)\n", setup, pg_failovers, std::chrono::duration<double>(f0 - t0).count(),
+                     std::chrono::duration<double>(Clock::now() - f0).count());
+      }
+      if (!on_pair && redis_restarted && !pg_restarted && progress * 100 >= planned * 65 * 2) {
         pg_restarted = true;
         const auto p0 = Clock::now();
         if (run_pg_cluster({"restart", pg_state_}, log_fd_) != 0) throw std::runtime_error("pg_cluster.sh restart failed");
@@ -1028,7 +1085,7 @@ public:
     }
 
     // Measure: what the business transactions applied, per event.
-    Pg pg(conninfo_);
+    Pg pg(ci);
     std::unordered_map<std::string, long long> applied;
     {
       auto rows = pg.exec("SELECT event_id, count(*) FROM " + T + "_effects GROUP BY event_id");
@@ -1093,18 +1150,24 @@ public:
                            "RedisStore + run_batch per read + plain autocommit UPDATE",
                            "AsyncRedisStore on a 3-master Redis Cluster (min_replica_acks 1, a master failed over "
                            "mid-run; auto-batched per slot) + PostgreSQL transaction with applied_events ON CONFLICT "
-                           "DO NOTHING"};
+                           "DO NOTHING",
+                           "PostgreSQL transactional mode on a replicated pair, three failovers",
+                           "PostgresStore lease mode on a replicated pair, three failovers + PostgreSQL transaction with "
+                           "applied_events ON CONFLICT DO NOTHING"};
     std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
                 names[setup - 'a'], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
     std::printf("(%c) deliveries: %lld\n", setup, c['D']);
     // A consumer killed right after its commit cannot count its run: the effects log is the truth.
     const std::string skipped =
-        setup == 'b' || setup == 'f' || setup == 'g' || setup == 'i' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
+        setup == 'b' || setup == 'f' || setup == 'g' || setup == 'i' || setup == 'k' ? ", handler runs skipped by applied_events: " + std::to_string(c['K']) : "";
     std::printf("(%c) executions: %lld counted by consumers (effects applied: %lld%s)\n", setup, c['X'] + c['L'],
                 effects_total, skipped.c_str());
     std::printf("(%c) duplicates suppressed: %lld\n", setup, c['U']);
     if (setup == 'i')
       std::printf("(%c) cluster masters SIGKILLed and failed over: %lld\n", setup, master_kills);
+    if (on_pair)
+      std::printf("(%c) PostgreSQL failovers (%s replication): %lld\n", setup, pair_async ? "asynchronous" : "synchronous",
+                  pg_failovers);
     if (setup == 'f' || setup == 'i')
       std::printf("(%c) steps coalesced into another caller's script call (auto-batching): %lld\n", setup, c['C']);
     if (setup == 'd')
@@ -1130,6 +1193,8 @@ public:
 
     if (setup == 'c' || setup == 'h')
       res.ok = res.finished && res.lost == 0 && res.unexplained == 0;
+    else if (pair_async)  // measured, not failed on: what asynchronous replication loses in a failover
+      res.ok = res.finished;
     else
       res.ok = res.finished && res.lost == 0 && res.doubles == 0 && res.bad_balances == 0 && res.unexplained == 0 &&
                up_doubles == 0 && up_lost == 0;
@@ -1166,7 +1231,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abcdefgi";
+  std::string setups = "abcdefgijk";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -1175,7 +1240,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefgi] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefgijk] [--seed S]\n");
       return 2;
     }
   }
@@ -1239,10 +1304,12 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'i' || g_stop) continue;
+    if (s < 'a' || s > 'k' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
-    // (e) runs eight processes (consumers, relays, downstream consumers) and two hops: half the events.
-    const Result r = d.run(s, s == 'e' ? std::max(1, events / 2) : events, seed, bound);
+    // (e) runs eight processes (consumers, relays, downstream consumers) and two hops; (j) and (k)
+    // wait out three failovers (about 2.5 s each, commits waiting meanwhile): half the events.
+    const bool half = s == 'e' || s == 'j' || s == 'k';
+    const Result r = d.run(s, half ? std::max(1, events / 2) : events, seed, bound);
     if (!r.ok) {
       ok = false;
       std::printf("(%c) FAILED\n", s);
