@@ -9,7 +9,8 @@
 // event ids, about 20% published twice, shuffled — into a Redis Stream consumer group while 4
 // consumer processes (fork+exec of this binary) handle them; every 100-300 ms it SIGKILLs a random
 // consumer and starts it again; once per setup it SIGKILLs and restarts Redis, and restarts
-// PostgreSQL. Every business transaction appends the event id to an `effects` table without any
+// PostgreSQL — or, in (d), (e), (j) and (k), which run on a replicated pair of their own, fails it
+// over three times (see (j)). Every business transaction appends the event id to an `effects` table without any
 // uniqueness, so "double" and "lost" are counted from what was applied, not inferred:
 //   (a) PostgresStore transactional mode: balance UPDATE + effects INSERT through ctx.tx;
 //   (b) RedisStore + a PostgreSQL transaction that INSERTs the event id into applied_events
@@ -17,13 +18,15 @@
 //   (c) RedisStore + a plain autocommit UPDATE (one statement that also appends the effect row);
 //   (d) TieredStore: a second redis-server WITHOUT persistence answers duplicates, PostgreSQL
 //       transactional mode is the truth (balance UPDATE + effects INSERT through ctx.tx); that
-//       Redis is SIGKILLed and restarted empty several times per run (IDEM_CHAOS_FAST_PORT);
+//       Redis is SIGKILLed and restarted empty several times per run (IDEM_CHAOS_FAST_PORT); on a
+//       replicated PostgreSQL pair failed over three times, as (j);
 //   (e) as (a), and the handler also sends a "balance changed" message through the transactional
 //       outbox (ctx.outbox().send); two `relay` processes (OutboxRelay + RedisStreamsPublisher)
 //       publish it to the stream chaos:e:out, read by two downstream consumers (RedisStore keyed on
 //       the outbox id + applied_events ON CONFLICT DO NOTHING); relays and downstream consumers
-//       are SIGKILLed and restarted too. Counted: each event's effect downstream (double 0, lost 0).
-//       Half the events of the other setups (eight processes, two hops);
+//       are SIGKILLed and restarted too, and the relays follow the pair's failovers (as (j)).
+//       Counted: each event's effect downstream (double 0, lost 0). Half the events of the other
+//       setups (eight processes, two hops);
 //   (f) as (b), on AsyncRedisStore's blocking calls: each consumer's records go through one
 //       multiplexed, pipelined connection (an io thread per consumer), killed and restarted alike;
 //       four threads per consumer handle a read's deliveries at once, so their acquisitions and
@@ -811,9 +814,9 @@ public:
     std::filesystem::create_directories(dir);
     Result res;
 
-    // (j), (k): a replicated pair of their own; everything of the setup (records, business tables,
-    // the consumers' sessions) goes through its multi-host conninfo.
-    const bool on_pair = setup == 'j' || setup == 'k';
+    // (d), (e), (j), (k): a replicated pair of their own; everything of the setup (records, business
+    // tables, the outbox and its relays, the consumers' sessions) goes through its multi-host conninfo.
+    const bool on_pair = setup == 'd' || setup == 'e' || setup == 'j' || setup == 'k';
     const bool pair_async = on_pair && std::getenv("IDEM_CHAOS_PG_ASYNC") &&
                             std::string(std::getenv("IDEM_CHAOS_PG_ASYNC")) == "1";
     struct PairGuard {
@@ -847,7 +850,7 @@ public:
         s.migrate();
       }
       if (setup == 'd') {
-        idem::PostgresStore s({.conninfo = conninfo_}, {.table = "records_d", .mode = idem::PostgresMode::transactional});
+        idem::PostgresStore s({.conninfo = ci}, {.table = "records_d", .mode = idem::PostgresMode::transactional});
         s.migrate();
         pg.exec("TRUNCATE idem.records_d");
       }
@@ -857,7 +860,7 @@ public:
         pg.exec("INSERT INTO ed_accounts SELECT g, 0 FROM generate_series(0, " + std::to_string(kAccounts - 1) + ") g");
         pg.exec("CREATE TABLE ed_effects (event_id text NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())");
         pg.exec("CREATE TABLE ed_applied (event_id text PRIMARY KEY)");
-        idem::PostgresStore s({.conninfo = conninfo_},
+        idem::PostgresStore s({.conninfo = ci},
                               {.table = "records_e", .mode = idem::PostgresMode::transactional, .outbox = true});
         s.migrate();
       }
@@ -1058,7 +1061,7 @@ public:
         try {
           // (e): and every outbox row sent, every message of chaos:e:out delivered and acked.
           if (drained(r, stream) &&
-              (setup != 'e' || (Pg(conninfo_).exec("SELECT 1 FROM idem.records_e_outbox WHERE sent_at IS NULL LIMIT 1")
+              (setup != 'e' || (Pg(ci).exec("SELECT 1 FROM idem.records_e_outbox WHERE sent_at IS NULL LIMIT 1")
                                         .rows() == 0 &&
                                 drained(r, "chaos:e:out")))) {
             res.finished = true;
