@@ -74,6 +74,8 @@ struct StreamsConsumer::Impl {
   Client client;
   StreamsConsumerStats stats;
   std::string claim_cursor = "0-0";  // XAUTOCLAIM's scan position; "0-0" = a new pass
+  std::string own_cursor = "0";      // this name's own pending entries (a previous run's), read first
+  bool own_done = false;
   std::chrono::steady_clock::time_point next_claim{};
 
   explicit Impl(StreamsConsumerOptions o) : opt(checked(std::move(o))), client(opt.redis) {}
@@ -118,14 +120,31 @@ struct StreamsConsumer::Impl {
     return got;
   }
 
+  // A consumer restarted under its name resumes what its previous run read and never acked, at
+  // once rather than after claim_idle: XREADGROUP from an id re-reads the name's own pending entries.
+  std::vector<StreamEntry> read_own() {
+    Command cmd;
+    cmd.arg("XREADGROUP").arg("GROUP").arg(opt.group).arg(opt.consumer).arg("COUNT").arg(opt.count);
+    cmd.arg("STREAMS").arg(opt.stream).arg(own_cursor);
+    auto got = entries_in(call(cmd, "XREADGROUP of its own pending entries"));
+    if (got.empty()) own_done = true;
+    else own_cursor = got.back().id;
+    stats.resumed += got.size();
+    return got;
+  }
+
+  static std::vector<StreamEntry> entries_in(const ReplyPtr& r) {
+    if (r->type != REDIS_REPLY_ARRAY || r->elements == 0) return {};  // nil: nothing within `block`
+    const redisReply* s = r->element[0];
+    return s->type == REDIS_REPLY_ARRAY && s->elements >= 2 ? entries_of(s->element[1]) : std::vector<StreamEntry>{};
+  }
+
   std::vector<StreamEntry> read_new() {
     Command cmd;
     cmd.arg("XREADGROUP").arg("GROUP").arg(opt.group).arg(opt.consumer).arg("COUNT").arg(opt.count);
     cmd.arg("BLOCK").arg(opt.block.count()).arg("STREAMS").arg(opt.stream).arg(">");
     ReplyPtr r = call(cmd, "XREADGROUP");
-    if (r->type != REDIS_REPLY_ARRAY || r->elements == 0) return {};  // nil: nothing new within `block`
-    const redisReply* s = r->element[0];
-    auto got = s->type == REDIS_REPLY_ARRAY && s->elements >= 2 ? entries_of(s->element[1]) : std::vector<StreamEntry>{};
+    auto got = entries_in(r);
     stats.read += got.size();
     return got;
   }
@@ -147,6 +166,10 @@ StreamsConsumer::StreamsConsumer(StreamsConsumerOptions options) : impl_(std::ma
 StreamsConsumer::~StreamsConsumer() = default;
 
 std::vector<StreamEntry> StreamsConsumer::poll() {
+  if (!impl_->own_done) {
+    auto own = impl_->read_own();
+    if (!own.empty()) return own;
+  }
   auto claimed = impl_->claim();
   if (!claimed.empty()) return claimed;
   return impl_->read_new();

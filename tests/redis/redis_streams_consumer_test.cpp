@@ -84,7 +84,7 @@ TEST_CASE("StreamsConsumer: bad options are refused at construction, naming the 
   refused(x, "redis");
 }
 
-TEST_CASE("StreamsConsumer: ack, dead letter once, and a requeued entry taken over after claim_idle") {
+TEST_CASE("StreamsConsumer: ack, dead letter once, a requeued entry resumed by a restart and taken over after claim_idle") {
   const std::string s = "s-" + idem::test::random_hex();
   Conn conn;
   idem::StreamsConsumer a(options(s, "a"));
@@ -106,6 +106,14 @@ TEST_CASE("StreamsConsumer: ack, dead letter once, and a requeued entry taken ov
   CHECK(a.stats().acked == 1);
   CHECK(a.stats().dead_lettered == 1);
   CHECK(a.stats().left_pending == 1);
+
+  // A restart under the same name resumes the entry at once (its own pending entries first).
+  idem::StreamsConsumer a2(options(s, "a"));
+  const auto resumed = a2.poll();
+  REQUIRE(resumed.size() == 1);
+  CHECK(*resumed[0].field("event_id") == "e3");
+  CHECK(a2.stats().resumed == 1);
+  CHECK(a2.poll().empty());  // its pending entries read once; nothing new, nothing idle yet
 
   // Another consumer takes the requeued entry over once it has been idle for claim_idle.
   idem::StreamsConsumer b(options(s, "b"));

@@ -55,6 +55,7 @@ struct StreamsConsumerOptions {
 /// What a StreamsConsumer has done so far.
 struct StreamsConsumerStats {
   std::uint64_t read = 0;           ///< entries read new (XREADGROUP)
+  std::uint64_t resumed = 0;        ///< entries this name had read before (a previous run) and not acked
   std::uint64_t claimed = 0;        ///< entries taken over from a consumer gone quiet (XAUTOCLAIM)
   std::uint64_t acked = 0;          ///< entries acked
   std::uint64_t dead_lettered = 0;  ///< entries moved to the dead-letter stream (and acked)
@@ -63,9 +64,10 @@ struct StreamsConsumerStats {
 
 /**
  * One consumer of a Redis Streams consumer group, for a handler behind IdempotencyGuard. `poll()`
- * returns the next entries: first those a consumer left pending for longer than `claim_idle`
- * (XAUTOCLAIM: it crashed, or its handler outlived the lease), else new ones (XREADGROUP, waiting
- * up to `block`). `settle()` applies one decision per entry: ack (one XACK for the read),
+ * returns the next entries: at first what this consumer name read before and never acked (a
+ * restart resumes them at once), then those any consumer left pending for longer than
+ * `claim_idle` (XAUTOCLAIM: it crashed, or its handler outlived the lease), else new ones
+ * (XREADGROUP, waiting up to `block`). `settle()` applies one decision per entry: ack (one XACK for the read),
  * dead_letter (XADD to the dead-letter stream and XACK in one script, so a crash between them
  * cannot write a letter twice), requeue (left pending: XAUTOCLAIM brings it back after
  * `claim_idle`, and the guard then answers duplicate, or takes over a lapsed lease). `decide()`
