@@ -7,7 +7,7 @@
 // group and the idempotency records survive a SIGKILL of the server) and its own PostgreSQL
 // cluster (tests/postgres/pg_cluster.sh). For each setup it publishes payment events — unique
 // event ids, about 20% published twice, shuffled — into a Redis Stream consumer group while 4
-// consumer processes (fork+exec of this binary) handle them; every 100-300 ms it SIGKILLs a random
+// consumer processes (fork+exec of this binary, reading through idem::StreamsConsumer) handle them; every 100-300 ms it SIGKILLs a random
 // consumer and starts it again; once per setup it SIGKILLs and restarts Redis, and restarts
 // PostgreSQL — or, in (d), (e), (j) and (k), which run on a replicated pair of their own, fails it
 // over three times (see (j)). Every business transaction appends the event id to an `effects` table without any
@@ -88,6 +88,7 @@
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
 #include "idem/redis.hpp"
+#include "idem/redis/streams_consumer.hpp"
 #include "idem/tiered.hpp"
 #include "idem/outbox/outbox.hpp"
 #include "redis_cluster.hpp"
@@ -269,30 +270,20 @@ struct Entry {
   std::string event, account, amount;
 };
 
-std::vector<Entry> parse_entries(const redisReply* list) {
-  std::vector<Entry> out;
-  if (list == nullptr || list->type != REDIS_REPLY_ARRAY) return out;
-  for (size_t i = 0; i < list->elements; ++i) {
-    const redisReply* e = list->element[i];
-    if (e->type != REDIS_REPLY_ARRAY || e->elements < 2) continue;
-    Entry en;
-    en.id = str(e->element[0]);
-    const redisReply* f = e->element[1];
-    if (f->type == REDIS_REPLY_ARRAY)
-      for (size_t k = 0; k + 1 < f->elements; k += 2) {
-        const std::string name = str(f->element[k]);
-        const std::string val = str(f->element[k + 1]);
-        if (name == "e") en.event = val;
-        else if (name == "a") en.account = val;
-        else if (name == "m") en.amount = val;
-        // (e): an outbox message as RedisStreamsPublisher writes it: its id is the idempotency key.
-        else if (name == "id") en.event = val;
-        else if (name == "key") en.account = val;
-        else if (name == "payload") en.amount = val;
-      }
-    out.push_back(std::move(en));
+// One entry as StreamsConsumer read it, in the worker's terms.
+Entry to_entry(const idem::StreamEntry& s) {
+  Entry en;
+  en.id = s.id;
+  for (const auto& [name, val] : s.fields) {
+    if (name == "e") en.event = val;
+    else if (name == "a") en.account = val;
+    else if (name == "m") en.amount = val;
+    // (e): an outbox message as RedisStreamsPublisher writes it: its id is the idempotency key.
+    else if (name == "id") en.event = val;
+    else if (name == "key") en.account = val;
+    else if (name == "payload") en.amount = val;
   }
-  return out;
+  return en;
 }
 
 class Stats {
@@ -344,8 +335,6 @@ int worker_main(int argc, char** argv) {
   std::signal(SIGTERM, on_signal);
 
   const auto hard_stop = Clock::now() + 30min;  // bounded even if the driver vanished
-  Redis r(port);
-
   idem::GuardOptions go;
   go.lease = kLease;
   go.retention = 1h;
@@ -647,8 +636,9 @@ int worker_main(int argc, char** argv) {
     return ack;
   };
 
+  // The ids of the entries to ack; the others stay pending and come back.
   auto process = [&](const std::vector<Entry>& entries) {
-    std::vector<std::string> ack{"XACK", stream, kGroup};
+    std::vector<std::string> ack;
     if ((setup == 'g' || setup == 'h') && !g_stop) {
       for (auto& id : handle_batch(entries)) ack.push_back(std::move(id));
     } else if (setup == 'f' || setup == 'i') {
@@ -660,48 +650,34 @@ int worker_main(int argc, char** argv) {
         if (handle(e, biz, false)) ack.push_back(e.id);
       }
     }
-    if (ack.size() > 3) {
-      try {
-        r.cmd(ack);
-      } catch (const std::exception&) {
-        // Redis is down: the entries stay pending and come back (as duplicates) later.
-      }
-    }
+    return ack;
   };
 
-  std::string own_cursor = "0";  // first our own pending entries (a previous incarnation's)
-  bool own_done = false;
-  std::string claim_cursor = "0-0";
-  auto last_claim = Clock::now() - 1h;
+  // The stream through idem::StreamsConsumer: this name's own pending entries first (a previous
+  // incarnation's), then entries idle for a lease (a killed consumer's), then new ones. Built again
+  // after a failure (Redis may be down when the worker starts).
+  std::optional<idem::StreamsConsumer> reader;
   while (!g_stop && Clock::now() < hard_stop) {
     try {
-      if (!own_done) {
-        auto rep = r.cmd({"XREADGROUP", "GROUP", kGroup, consumer, "COUNT", "32", "STREAMS", stream, own_cursor});
-        std::vector<Entry> es;
-        if (rep->type == REDIS_REPLY_ARRAY && rep->elements > 0) es = parse_entries(rep->element[0]->element[1]);
-        if (es.empty()) {
-          own_done = true;
-        } else {
-          own_cursor = es.back().id;
-          process(es);
-        }
-        continue;
+      if (!reader) {
+        idem::RedisOptions ro;
+        ro.port = port;
+        ro.pool.size = 1;
+        ro.connect_timeout = idem::millis{1000};
+        ro.command_timeout = idem::millis{2000};
+        reader.emplace(idem::StreamsConsumerOptions{.redis = ro, .stream = stream, .group = kGroup, .consumer = consumer,
+                                                    .count = setup == 'g' || setup == 'h' ? 32u : 16u,
+                                                    .block = 100ms, .claim_idle = kLease, .create_group = false});
       }
-      if (Clock::now() - last_claim > 300ms) {
-        last_claim = Clock::now();
-        auto rep = r.cmd({"XAUTOCLAIM", stream, kGroup, consumer, std::to_string(kLease.count()), claim_cursor,
-                          "COUNT", "32"});
-        if (rep->type == REDIS_REPLY_ARRAY && rep->elements >= 2) {
-          claim_cursor = str(rep->element[0]);
-          auto es = parse_entries(rep->element[1]);
-          if (!es.empty()) {
-            process(es);
-            continue;
-          }
-        }
-      }
-      auto rep = r.cmd({"XREADGROUP", "GROUP", kGroup, consumer, "COUNT", "16", "BLOCK", "100", "STREAMS", stream, ">"});
-      if (rep->type == REDIS_REPLY_ARRAY && rep->elements > 0) process(parse_entries(rep->element[0]->element[1]));
+      const std::vector<idem::StreamEntry> got = reader->poll();
+      std::vector<Entry> entries;
+      entries.reserve(got.size());
+      for (const auto& g : got) entries.push_back(to_entry(g));
+      const std::vector<std::string> ack = process(entries);
+      std::vector<idem::StreamDecision> decisions(got.size(), {idem::BrokerAction::requeue, {}});
+      for (std::size_t i = 0; i < got.size(); ++i)
+        if (std::find(ack.begin(), ack.end(), got[i].id) != ack.end()) decisions[i].action = idem::BrokerAction::ack;
+      reader->settle(got, decisions);  // Redis down: the entries stay pending and come back later
     } catch (const std::exception&) {
       stats.note('R');
       std::this_thread::sleep_for(100ms);
