@@ -86,7 +86,7 @@ idem_pkgconfig(tiered DESCRIPTION "idem: TieredStore (Redis in front of PostgreS
 idem_pkgconfig(outbox DESCRIPTION "idem: the transactional outbox's relay and its Redis Streams publisher"
                REQUIRES idem-postgres idem-redis DEPS hiredis)
 idem_pkgconfig(outbox_kafka DESCRIPTION "idem: the outbox's Kafka publisher (librdkafka)" REQUIRES idem DEPS rdkafka)
-idem_pkgconfig(kafka DESCRIPTION "idem: Kafka consumer helpers (OffsetTracker), header-only" REQUIRES idem)
+idem_pkgconfig(kafka DESCRIPTION "idem: Kafka consumer helpers (OffsetTracker, the consumer loop; librdkafka)" REQUIRES idem rdkafka)
 idem_pkgconfig(outbox_rabbitmq DESCRIPTION "idem: the outbox's RabbitMQ publisher (librabbitmq)"
                REQUIRES idem DEPS librabbitmq)
 idem_pkgconfig(prometheus DESCRIPTION "idem: the Prometheus observer (prometheus-cpp)"
@@ -135,7 +135,7 @@ endif()
 if(TARGET idem_asio)
   list(APPEND _idem_dev_depends "libboost-dev (>= 1.74)")
 endif()
-if(TARGET idem_outbox_kafka)
+if(TARGET idem_outbox_kafka OR TARGET idem_kafka)
   list(APPEND _idem_dev_depends librdkafka-dev)
 endif()
 if(TARGET idem_outbox_rabbitmq)

@@ -1,0 +1,220 @@
+#pragma once
+/// @file kafka/processor.hpp Processor: what the Kafka consumer loop does with each message, decided through a guard.
+// Guide: docs/consuming.md.
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "idem/core/error.hpp"
+#include "idem/core/fingerprint.hpp"
+#include "idem/core/options.hpp"
+#include "idem/core/outcome.hpp"
+#include "idem/guard/batch.hpp"
+#include "idem/guard/guard.hpp"
+
+namespace idem::kafka {
+
+/// One polled message as a handler sees it: views into the client's message, valid during the call.
+struct Message {
+  std::string_view topic;      ///< The topic's name.
+  std::int32_t partition = 0;  ///< The partition number.
+  std::int64_t offset = 0;     ///< The message's offset.
+  std::string_view key;        ///< The Kafka message key (not the idempotency key).
+  std::string_view value;      ///< The payload.
+};
+
+/// What the consumer loop does with one message.
+struct Verdict {
+  /// ack: settle it; requeue: seek back to it; dead_letter: write it aside, then settle.
+  BrokerAction action = BrokerAction::ack;
+  std::optional<Status> status;  ///< The guard's answer, when the run produced one.
+  bool handler_failed = false;   ///< The handler threw (the guard recorded it per its failure policy).
+  millis retry_after{0};         ///< requeue: how long its partition waits before the seek back.
+  std::string reason;            ///< dead_letter: why (sent as a header); requeue: the error, for logs.
+  std::string dead_letter_key;   ///< dead_letter: the key its write is made once under.
+};
+
+/// The answer of Processor::dead_letter.
+struct DeadLetterResult {
+  bool written = false;   ///< The dead letter exists: settle the message.
+  bool earlier = false;   ///< written: by an earlier delivery, not by this call.
+  millis retry_after{0};  ///< Not written: how long before the message is tried again.
+  std::string error;      ///< Not written: why, for logs.
+};
+
+/// The loop's view of the guard, type-erased so that the loop (librdkafka side) is compiled once.
+class Processor {
+ public:
+  /// Polymorphic base.
+  virtual ~Processor() = default;
+  /// Runs a batch of one partition's messages in offset order; writes one verdict per message.
+  virtual void process(std::span<const Message> batch, std::span<Verdict> verdicts) = 0;
+  /// Runs `write` at most once per key across redeliveries; never throws.
+  virtual DeadLetterResult dead_letter(const std::string& key, const std::function<void()>& write) = 0;
+};
+
+/// Guard options fit for a Kafka consumer: FailureMode::record, so a poison message ends in the dead-letter topic.
+inline GuardOptions consumer_guard_options() {
+  // release would free the key after every failure: Kafka redelivers the poison message at once,
+  // and since nothing after it in its partition may be committed, the partition stops for good.
+  GuardOptions o;
+  o.lease = std::chrono::seconds{30};
+  o.retention = std::chrono::hours{24 * 7};
+  o.failure = {.mode = FailureMode::record, .max_attempts = 3, .backoff = millis{1'000}, .max_backoff = millis{60'000}};
+  return o;
+}
+
+/// How a GuardedProcessor runs messages.
+struct GuardedOptions {
+  /// A key reused with another payload answers mismatch (dead-lettered) instead of duplicate.
+  bool fingerprint = true;
+  /// Accept a guard with FailureMode::release, whose poison messages are retried for ever.
+  bool allow_release = false;
+};
+
+/// A Processor over a guard: key_of(message) is the idempotency key, handler(message[, ctx]) the effect.
+template <class Store, class KeyOf, class Handler>
+class GuardedProcessor final : public Processor {
+ public:
+  /// Refuses a guard with FailureMode::release (invalid_options_error) unless options.allow_release.
+  GuardedProcessor(IdempotencyGuard<Store>& guard, KeyOf key_of, Handler handler, GuardedOptions options = {})
+      : guard_(checked(guard, options)),
+        dlq_guard_(guard.store(), dead_letter_options(guard.options())),
+        key_of_(std::move(key_of)),
+        handler_(std::move(handler)),
+        fingerprint_(options.fingerprint) {}
+
+  /// guard.run_batch over the batch; a verdict per message.
+  void process(std::span<const Message> batch, std::span<Verdict> verdicts) override {
+    std::vector<std::string> keys;
+    keys.reserve(batch.size());
+    std::vector<BatchItem> items;
+    items.reserve(batch.size());
+    for (const Message& m : batch) {
+      // A message whose key cannot be read gets an empty key: the guard refuses it with
+      // invalid_key_error, whose action is dead_letter.
+      try {
+        keys.push_back(key_of_(m));
+      } catch (const std::exception&) {
+        keys.emplace_back();
+      }
+      items.push_back({keys.back(), fingerprint_ ? m.value : std::string_view{}});
+    }
+    try {
+      auto res = guard_.run_batch(items, [&](const BatchItem& item, const auto& ctx) {
+        const Message& m = batch[static_cast<std::size_t>(&item - items.data())];
+        if constexpr (std::is_invocable_v<Handler&, const Message&, decltype(ctx)>)
+          return handler_(m, ctx);
+        else
+          return handler_(m);
+      });
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        verdicts[i] =
+            res.errors[i] ? from_error(res.errors[i], batch[i]) : from_outcome(res.outcomes[i], batch[i], keys[i]);
+      }
+    } catch (...) {
+      // The batch's acquisition failed: nothing ran, every message is retried.
+      const auto e = std::current_exception();
+      for (std::size_t i = 0; i < batch.size(); ++i) verdicts[i] = from_error(e, batch[i]);
+    }
+  }
+
+  /// `write` run through a second guard under "dlq:" + key, which releases the key when it fails.
+  DeadLetterResult dead_letter(const std::string& key, const std::function<void()>& write) override {
+    try {
+      const auto out = dlq_guard_.run("dlq:" + key, write);
+      switch (out.action()) {
+        case BrokerAction::ack:
+          return {.written = true, .earlier = out.status == Status::duplicate};
+        case BrokerAction::requeue:  // another consumer is writing it right now
+          return {.retry_after = out.retry_after, .error = "being written by another consumer"};
+        case BrokerAction::dead_letter:
+          break;
+      }
+      return {.retry_after = millis{30'000}, .error = fmt::format("dead-letter key: {}", to_string(out.status))};
+    } catch (const std::exception& e) {
+      // The write failed (its key was released: see dead_letter_options) or the store did.
+      return {.retry_after = millis{1'000}, .error = e.what()};
+    }
+  }
+
+ private:
+  // Kafka retries a failed message in place: with release it fails again at once, for ever, and
+  // nothing after it in its partition is committed; record ends it in the dead-letter topic.
+  static IdempotencyGuard<Store>& checked(IdempotencyGuard<Store>& guard, const GuardedOptions& options) {
+    if (guard.options().failure.mode == FailureMode::release && !options.allow_release)
+      throw invalid_options_error(
+          "kafka::GuardedProcessor: the guard's FailureMode::release retries a poison message for ever and holds "
+          "its partition's commits back; use FailureMode::record (consumer_guard_options()), or "
+          "GuardedOptions::allow_release (docs/consuming.md)");
+    return guard;
+  }
+
+  // A failed dead-letter write must free its key at once so that the retry writes it; the
+  // consumer's record policy would answer in_flight, then previously_failed: a letter never written.
+  static GuardOptions dead_letter_options(GuardOptions o) {
+    o.failure = {.mode = FailureMode::release};
+    return o;
+  }
+
+  static std::string coordinates(const Message& m) { return fmt::format("{}/{}@{}", m.topic, m.partition, m.offset); }
+
+  template <class Out>
+  Verdict from_outcome(const Out& out, const Message& m, const std::string& key) const {
+    Verdict v{.action = out.action(), .status = out.status};
+    if (out.status == Status::in_flight) v.retry_after = out.retry_after;
+    if (v.action == BrokerAction::dead_letter) {
+      // Keyed on the payload too: each distinct payload reusing a key is its own dead letter.
+      v.reason = out.status == Status::mismatch ? "payload differs from the first delivery of this key"
+                                                : "failed permanently: " + out.error;
+      v.dead_letter_key = key + ":" + fingerprint(m.value);
+    }
+    return v;
+  }
+
+  static Verdict from_error(const std::exception_ptr& e, const Message& m) {
+    Verdict v{.action = action_of(e)};
+    try {
+      std::rethrow_exception(e);
+    } catch (const error& x) {
+      v.reason = x.what();
+      v.handler_failed = x.from_handler();
+      // A store error may pass soon; an unreadable record will not.
+      if (!x.from_handler()) v.retry_after = x.retryable() ? millis{1'000} : millis{30'000};
+    } catch (const std::exception& x) {
+      v.reason = x.what();
+      v.handler_failed = true;
+    } catch (...) {
+      v.reason = "unknown exception";
+      v.handler_failed = true;
+    }
+    // No redelivery can help (a bad key): keyed on where the message is, as it has no usable key.
+    if (v.action == BrokerAction::dead_letter) v.dead_letter_key = coordinates(m);
+    return v;
+  }
+
+  IdempotencyGuard<Store>& guard_;
+  IdempotencyGuard<Store> dlq_guard_;  // same store, its own failure policy
+  KeyOf key_of_;
+  Handler handler_;
+  bool fingerprint_;
+};
+
+/// Builds a GuardedProcessor, deducing its types.
+template <class Store, class KeyOf, class Handler>
+GuardedProcessor<Store, KeyOf, Handler> guarded(IdempotencyGuard<Store>& guard, KeyOf key_of, Handler handler,
+                                                GuardedOptions options = {}) {
+  return {guard, std::move(key_of), std::move(handler), options};
+}
+
+}  // namespace idem::kafka

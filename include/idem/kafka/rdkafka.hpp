@@ -1,0 +1,91 @@
+#pragma once
+/// @file kafka/rdkafka.hpp The consumer loop's pieces over librdkafka: rebalance, offsets, retries, dead letters.
+// Guide: docs/consuming.md. Compiled in src/kafka/rdkafka.cpp.
+
+#include <librdkafka/rdkafka.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "idem/core/error.hpp"
+#include "idem/kafka/offset_tracker.hpp"
+#include "idem/kafka/processor.hpp"
+
+namespace idem::kafka {
+
+/// librdkafka refused a call or a write; code() is its rd_kafka_resp_err_t.
+class kafka_error : public error {
+ public:
+  /// Builds it from librdkafka's code; retryable unless the code says the request can never succeed.
+  kafka_error(const std::string& what, rd_kafka_resp_err_t code, bool retryable = true)
+      : error(what, retryable), code_(code) {}
+  /// librdkafka's error code.
+  [[nodiscard]] rd_kafka_resp_err_t code() const noexcept { return code_; }
+
+ private:
+  rd_kafka_resp_err_t code_;
+};
+
+/// A topic and a partition.
+struct TopicPartition {
+  std::string topic;           ///< The topic's name.
+  std::int32_t partition = 0;  ///< The partition number.
+  /// Ordered by topic, then partition, so that it keys a std::map.
+  friend auto operator<=>(const TopicPartition&, const TopicPartition&) = default;
+};
+
+/// Owns an rd_kafka_topic_partition_list_t.
+using PartitionList =
+    std::unique_ptr<rd_kafka_topic_partition_list_t, decltype(&rd_kafka_topic_partition_list_destroy)>;
+
+/// A partition list of these offsets, for rd_kafka_commit or rd_kafka_offsets_store.
+PartitionList to_list(const std::vector<PartitionOffset>& offsets);
+
+/// Sets one librdkafka property; throws invalid_options_error with librdkafka's reason.
+void set_property(rd_kafka_conf_t* conf, const std::string& name, const std::string& value);
+
+/// What handle_rebalance did.
+struct RebalanceResult {
+  bool assigned = false;                   ///< Partitions were assigned (else revoked, lost or an error).
+  bool lost = false;                       ///< Revoked as lost: nothing could be committed.
+  bool closed = false;                     ///< Served after the consumer closed: only the tracker was changed.
+  std::vector<TopicPartition> partitions;  ///< The partitions of the event.
+  std::vector<PartitionOffset> committed;  ///< Revoked: the settled offsets committed before letting go.
+  rd_kafka_resp_err_t commit_error = RD_KAFKA_RESP_ERR_NO_ERROR;  ///< That commit's answer.
+};
+
+/// The rebalance callback's work, eager or cooperative: tracker, commit of settled offsets, (un)assign.
+RebalanceResult handle_rebalance(rd_kafka_t* rk, rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t* parts,
+                                 OffsetTracker& tracker);
+
+/// rd_kafka_offsets_store of the tracker's committables; returns how many were stored.
+std::size_t store_committables(rd_kafka_t* rk, const OffsetTracker& tracker);
+
+/// Pauses (or resumes) one partition's fetching; throws kafka_error.
+void pause(rd_kafka_t* rk, const TopicPartition& tp, bool paused);
+
+/// Seeks a paused partition back to `offset`, so that resuming it redelivers from there; throws kafka_error.
+void seek(rd_kafka_t* rk, const TopicPartition& tp, std::int64_t offset, int timeout_ms);
+
+/// A producer that writes dead letters and waits for the broker's ack; thread-safe.
+class DeadLetterProducer {
+ public:
+  /// `properties`: more librdkafka properties for the producer (TLS, SASL...).
+  DeadLetterProducer(const std::string& brokers, const std::map<std::string, std::string>& properties);
+  ~DeadLetterProducer();
+  DeadLetterProducer(const DeadLetterProducer&) = delete;             ///< Owns a client handle.
+  DeadLetterProducer& operator=(const DeadLetterProducer&) = delete;  ///< Owns a client handle.
+  /// Writes `m` (key, value, its origin as headers) to `topic`; returns once acked, else throws kafka_error.
+  void write(const std::string& topic, const Message& m, std::string_view reason);
+
+ private:
+  std::mutex mu_;  // one write at a time: each waits for its own delivery report
+  rd_kafka_t* rk_ = nullptr;
+};
+
+}  // namespace idem::kafka
