@@ -89,6 +89,7 @@ idem_pkgconfig(outbox_kafka DESCRIPTION "idem: the outbox's Kafka publisher (lib
 idem_pkgconfig(kafka DESCRIPTION "idem: Kafka consumer helpers (OffsetTracker, the consumer loop; librdkafka)" REQUIRES idem rdkafka)
 idem_pkgconfig(outbox_rabbitmq DESCRIPTION "idem: the outbox's RabbitMQ publisher (librabbitmq)"
                REQUIRES idem DEPS librabbitmq)
+idem_pkgconfig(rabbitmq DESCRIPTION "idem: the RabbitMQ queue consumer (librabbitmq)" REQUIRES idem DEPS librabbitmq)
 idem_pkgconfig(prometheus DESCRIPTION "idem: the Prometheus observer (prometheus-cpp)"
                REQUIRES idem DEPS prometheus-cpp-pull prometheus-cpp-core)
 
@@ -138,7 +139,7 @@ endif()
 if(TARGET idem_outbox_kafka OR TARGET idem_kafka)
   list(APPEND _idem_dev_depends librdkafka-dev)
 endif()
-if(TARGET idem_outbox_rabbitmq)
+if(TARGET idem_outbox_rabbitmq OR TARGET idem_rabbitmq)
   list(APPEND _idem_dev_depends librabbitmq-dev)
 endif()
 if(TARGET idem_prometheus)

@@ -126,6 +126,12 @@ public:
                     amqp_cstring_bytes(key.c_str()), amqp_empty_table);
     check(amqp_get_rpc_reply(conn_), "queue.bind");
   }
+  // Messages ready in `q` (not those delivered and unacked); the queue must exist.
+  std::uint32_t ready(const std::string& q) {
+    auto* ok = amqp_queue_declare(conn_, 1, amqp_cstring_bytes(q.c_str()), /*passive=*/1, 0, 0, 0, amqp_empty_table);
+    check(amqp_get_rpc_reply(conn_), "queue.declare passive");
+    return ok->message_count;
+  }
   void delete_queue(const std::string& q) {
     amqp_queue_delete(conn_, 1, amqp_cstring_bytes(q.c_str()), 0, 0);
     check(amqp_get_rpc_reply(conn_), "queue.delete");

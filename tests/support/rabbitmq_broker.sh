@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Starts and stops a throwaway rabbitmq-server: the one fixture of every RabbitMQ test
-# (tests/rabbitmq/run.sh for the consumer template, the outbox tests, scripts/bench-outbox).
+# (the RabbitMQ consumer and its template's test, the outbox tests, scripts/bench-outbox).
 #
 #   rabbitmq_broker.sh start STATE_DIR    # a fresh node on free ports -> STATE_DIR/port (AMQP)
 #   rabbitmq_broker.sh halt STATE_DIR     # stops the node, keeps its data and ports (a broker outage)

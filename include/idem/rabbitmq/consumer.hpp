@@ -1,0 +1,128 @@
+#pragma once
+/// @file rabbitmq/consumer.hpp RabbitConsumer: a RabbitMQ queue consumer for IdempotencyGuard —
+/// ack after the outcome, dead letters through the queue's dead-letter exchange, delayed requeue
+/// through a TTL queue, prefetch, reconnection. docs/consuming.md has the table.
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <stop_token>
+#include <string>
+#include <thread>
+
+#include "idem/core/error.hpp"
+#include "idem/core/outcome.hpp"
+#include "idem/core/record.hpp"
+
+namespace idem {
+
+/// Settings of a RabbitConsumer; checked at construction (invalid_options_error names the field).
+struct RabbitConsumerOptions {
+  std::string host = "127.0.0.1";  ///< the broker
+  int port = 5672;                 ///< its AMQP port
+  std::string vhost = "/";         ///< virtual host
+  std::string user = "guest";      ///< login
+  std::string password = "guest";  ///< password
+  std::string queue;               ///< the queue to consume (required)
+  std::uint16_t prefetch = 50;     ///< unacked deliveries in flight (basic.qos), 1..65535
+  /// Declare the topology at construction: `queue` (durable) whose dead-letter exchange
+  /// `<queue>.dlx` routes to `<queue>.dlq`, and the delay queue `<queue>.delay` whose expired
+  /// messages go back to `queue`. Off when your deployment declares them (same names expected).
+  bool declare = true;
+  millis requeue_min{50};     ///< the shortest delay of a requeue (in_flight, a handler error)
+  millis requeue_max{1000};   ///< the longest (an in_flight answer's retry_after is the holder's whole lease)
+  millis store_retry{1000};   ///< the delay after a store error (the guard failed closed)
+  millis connect_timeout{5000};  ///< TCP connect and login
+  int heartbeat_s = 30;       ///< AMQP heartbeat: a dead peer is noticed within about twice this
+};
+
+/// One delivery: what the handler needs, and what settle() needs to answer it.
+struct RabbitDelivery {
+  std::uint64_t tag = 0;       ///< the delivery tag (of the connection it came on)
+  std::uint64_t connection = 0;  ///< which connection: a delivery of a closed one is not answered
+  bool redelivered = false;    ///< the broker delivered it before (a consumer died, or a nack)
+  std::string message_id;      ///< the AMQP message-id property: the idempotency key ("" when absent)
+  std::string content_type;    ///< the content-type property
+  std::string body;            ///< the body, binary-safe
+};
+
+/// What to do with one delivery.
+struct RabbitDecision {
+  BrokerAction action = BrokerAction::requeue;  ///< ack, requeue (after `delay`), dead_letter
+  millis delay{0};                              ///< for requeue: how long until it is delivered again
+};
+
+/// What a RabbitConsumer has done so far.
+struct RabbitConsumerStats {
+  std::uint64_t delivered = 0;      ///< deliveries received
+  std::uint64_t redelivered = 0;    ///< of them, marked redelivered by the broker
+  std::uint64_t acked = 0;          ///< acked
+  std::uint64_t dead_lettered = 0;  ///< rejected to the dead-letter exchange
+  std::uint64_t requeued = 0;       ///< requeued (delayed through the delay queue, or nacked)
+  std::uint64_t reconnects = 0;     ///< connections opened again after one was lost
+};
+
+/**
+ * A consumer of one RabbitMQ queue for a handler behind IdempotencyGuard (rabbitmq-c). `next()`
+ * waits for a delivery; `settle()` answers it: ack, dead_letter (basic.reject without requeue: the
+ * queue's dead-letter exchange moves it to the dead-letter queue, with the broker's x-death
+ * header), or requeue after a delay — AMQP has no delayed nack, so a copy goes to the TTL queue
+ * `<queue>.delay` with that expiration and the original is acked (a crash between the two leaves
+ * two copies, which the guard answers as a duplicate; with a zero delay it is a plain nack).
+ * Nothing is acked before its outcome is known. A lost connection or channel is thrown as a
+ * retryable connection_error; the next call reconnects, and the broker redelivers whatever was
+ * unacked (the guard answers duplicates). `run()` is the loop. One thread per consumer.
+ */
+class RabbitConsumer {
+public:
+  /// Checks the options, connects, declares the topology when asked, starts consuming.
+  explicit RabbitConsumer(RabbitConsumerOptions options);
+  ~RabbitConsumer();                                         ///< Closes the connection (unacked deliveries go back).
+  RabbitConsumer(const RabbitConsumer&) = delete;            ///< Owns a connection.
+  RabbitConsumer& operator=(const RabbitConsumer&) = delete;  ///< Owns a connection.
+
+  /// The next delivery, or nullopt after `wait` without one.
+  std::optional<RabbitDelivery> next(millis wait);
+  /// Answers `d` (nothing when its connection has closed meanwhile: the broker requeued it).
+  void settle(const RabbitDelivery& d, const RabbitDecision& decision);
+
+  /// The decision for a guard's outcome: its broker action; a requeue waits its retry_after,
+  /// bounded by requeue_min and requeue_max.
+  template <class Outcome>
+  RabbitDecision decide(const Outcome& out) const {
+    return {out.action(), bounded(out.retry_after)};
+  }
+  /// The decision for a run that threw (idem::action_of): a store error waits store_retry, the
+  /// handler's exception requeue_min (the guard's failure policy counts the attempts).
+  RabbitDecision decide(const std::exception_ptr& e) const;
+
+  /// Until `stop`: next(), `handle(const RabbitDelivery&) -> RabbitDecision`, settle(). A lost
+  /// connection backs off up to 1 s and reconnects; other errors are thrown.
+  template <class Handle>
+  void run(std::stop_token stop, Handle&& handle) {
+    auto pause = millis{50};
+    while (!stop.stop_requested()) {
+      try {
+        if (auto d = next(millis{100})) settle(*d, handle(*d));
+        pause = millis{50};
+      } catch (const error& e) {
+        if (!e.retryable()) throw;
+        std::this_thread::sleep_for(pause);
+        pause = std::min(pause * 2, millis{1000});
+      }
+    }
+  }
+
+  /// Counters so far.
+  [[nodiscard]] RabbitConsumerStats stats() const noexcept;
+  /// The options in force.
+  [[nodiscard]] const RabbitConsumerOptions& options() const noexcept;
+
+private:
+  [[nodiscard]] millis bounded(millis retry_after) const noexcept;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace idem
