@@ -53,3 +53,5 @@ all_packages+=(spin clang libclang-rt-14-dev)
 # The API reference (docs/CMakeLists.txt: `--target docs`) and the operations kit's checks
 # (tests/prometheus: promtool and a real prometheus server against docs/operations/).
 all_packages+=(doxygen prometheus)
+# idem::http's cpp-httplib adapter, examples/http_payments and tests/http (its client).
+all_packages+=(libcpp-httplib-dev)

@@ -1,0 +1,311 @@
+#pragma once
+/// @file http/endpoint.hpp The Idempotency-Key policy, framework-free: a request and a handler in,
+/// the response the draft (draft-ietf-httpapi-idempotency-key-header) requires out.
+
+#include <fmt/core.h>
+
+#include <chrono>
+#include <cstddef>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "idem/core/error.hpp"
+#include "idem/core/options.hpp"
+#include "idem/core/outcome.hpp"
+#include "idem/core/store.hpp"
+#include "idem/guard/guard.hpp"
+#include "idem/http/key.hpp"
+#include "idem/http/message.hpp"
+
+namespace idem::http {
+
+/// Options of an Endpoint; checked when it is built (invalid_options_error).
+struct HttpOptions {
+  /// A request without Idempotency-Key answers 400; false = it runs unguarded.
+  bool require_key = true;
+  /// Longest key accepted, in characters once unescaped; 1.. (a longer one answers 400).
+  std::size_t max_key_length = 255;
+  /// Largest request body accepted; a larger one answers 413 before anything is stored.
+  std::size_t max_request_body_bytes = std::size_t{1} << 20;
+  /// Largest encoded response stored for replay (see docs/http.md for what happens above it).
+  std::size_t max_stored_response_bytes = std::size_t{1} << 20;
+  /// Store 4xx answers of the handler and replay them (as Stripe does); false = release the key.
+  bool store_client_errors = true;
+  /// Store 5xx answers of the handler; false (default) = release the key so a retry runs again.
+  bool store_server_errors = false;
+  /// Fingerprint method, target, fingerprint_headers and body: another request under a used key answers 422.
+  bool fingerprint = true;
+  /// Request headers that are part of the fingerprint (Content-Type, an API version, ...).
+  std::vector<std::string> fingerprint_headers;
+  /// Response headers stored for replay; empty = every header except hop-by-hop, Date and Set-Cookie.
+  std::vector<std::string> stored_headers;
+  /// Prefix of every store key, to keep HTTP keys apart from other users of the store.
+  std::string key_prefix = "http:";
+  /// Header added to a replayed response, with the value "true".
+  std::string replay_header = "Idempotent-Replayed";
+  /// Prefix of the problem+json "type" URIs (followed by missing-key, key-in-use, ...).
+  std::string problem_type_prefix = "urn:idem:http:";
+};
+
+/// A problem+json (RFC 9457) response: `kind` completes the type URI, `detail` says what to do.
+inline Response problem(const HttpOptions& o, int status, std::string_view kind, std::string_view title,
+                        std::string_view detail) {
+  auto json = [](std::string_view s) {
+    std::string out;
+    for (char c : s) {
+      if (c == '"' || c == '\\') out += '\\';
+      if (static_cast<unsigned char>(c) < 0x20)
+        out += fmt::format("\\u{:04x}", static_cast<int>(c));
+      else
+        out += c;
+    }
+    return out;
+  };
+  Response r;
+  r.status = status;
+  r.set("Content-Type", "application/problem+json");
+  r.set("Cache-Control", "no-store");
+  r.body = fmt::format(R"({{"type":"{}{}","title":"{}","status":{},"detail":"{}"}})", json(o.problem_type_prefix),
+                       json(kind), json(title), status, json(detail));
+  return r;
+}
+
+namespace detail {
+
+// Thrown through the guard for a handler answer that must not be stored: the guard releases the
+// key (and rolls a transaction back), and handle() sends the answer as it is.
+struct not_stored {
+  Response response;
+};
+
+inline bool never_stored(std::string_view name) {
+  for (std::string_view n : {"connection", "keep-alive", "transfer-encoding", "content-length", "te", "trailer",
+                             "upgrade", "proxy-authenticate", "proxy-connection", "date", "set-cookie"})
+    if (iequals(n, name)) return true;
+  return false;
+}
+
+inline std::string seconds_up(millis d) { return std::to_string(std::max<long long>(1, (d.count() + 999) / 1000)); }
+
+}  // namespace detail
+
+/**
+ * Makes one HTTP route idempotent under the Idempotency-Key header, on any idem store. Thread-safe
+ * (share one per route); the guard must outlive it and use FailureMode::release, so that an answer
+ * that is not stored frees its key for the retry.
+ *
+ * @code
+ * idem::http::Endpoint endpoint{guard};
+ * idem::http::Response r = endpoint.handle(request, [&](const idem::http::Request& req) {
+ *   return idem::http::Response{201, {{"Content-Type", "application/json"}}, create_charge(req.body)};
+ * });
+ * @endcode
+ */
+template <StateStore Store>
+class Endpoint {
+ public:
+  /// The context type handlers get as a second argument (ctx.tx in PostgreSQL transactional mode).
+  using context_type = context_t<Store>;
+
+  /// Binds to `guard` (not owned); throws invalid_options_error when the options cannot work.
+  explicit Endpoint(IdempotencyGuard<Store>& guard, HttpOptions options = {}) : guard_(&guard), o_(std::move(options)) {
+    if (guard.options().failure.mode != FailureMode::release)
+      throw invalid_options_error(
+          "idem::http: the guard's failure.mode must be release: a response that is not "
+          "stored must free its key for the client's retry");
+    if (o_.max_key_length == 0) throw invalid_options_error("idem::http: max_key_length is 0; allow at least 1");
+    if (o_.key_prefix.size() + o_.max_key_length > guard.options().max_key_bytes)
+      throw invalid_options_error(
+          fmt::format("idem::http: key_prefix + max_key_length is {} bytes, over the guard's "
+                      "max_key_bytes ({}); shorten them or raise max_key_bytes",
+                      o_.key_prefix.size() + o_.max_key_length, guard.options().max_key_bytes));
+    if (o_.max_stored_response_bytes == 0)
+      throw invalid_options_error("idem::http: max_stored_response_bytes is 0; responses could never be replayed");
+    if (o_.replay_header.empty()) throw invalid_options_error("idem::http: replay_header is empty; name a header");
+    if constexpr (TransactionalStore<Store>) {
+      if constexpr (requires {
+                      { guard.store().transactional() } -> std::convertible_to<bool>;
+                    })
+        transactional_ = guard.store().transactional();
+      else
+        transactional_ = true;
+    }
+  }
+
+  /// Answers `req`: runs `handler(req)` or `handler(req, ctx)` (returning a Response) at most once
+  /// per key, or answers 400 / 409 / 413 / 422 / the stored response, per docs/http.md. Handler
+  /// exceptions answer 500 and store errors 503 (with Retry-After) or 500; the key is released.
+  template <class F>
+  Response handle(const Request& req, F&& handler) {
+    if (req.body.size() > o_.max_request_body_bytes)
+      return problem(o_, 413, "body-too-large", "Content Too Large",
+                     fmt::format("the request body is {} bytes, over the limit of {}", req.body.size(),
+                                 o_.max_request_body_bytes));
+    if (!req.has("Idempotency-Key")) {
+      if (o_.require_key)
+        return problem(o_, 400, "missing-key", "Idempotency-Key required",
+                       fmt::format("this endpoint requires an Idempotency-Key header holding a quoted unique string "
+                                   "(\"...\"); keys are kept for {} s",
+                                   guard_->options().retention.count() / 1000));
+      return unguarded(req, handler);
+    }
+    const KeyParse parsed = parse_idempotency_key(req.field("Idempotency-Key"), o_.max_key_length);
+    if (!parsed.ok()) return problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", parsed.error);
+    const std::string key = store_key(req.scope, parsed.key);
+    const std::string payload =
+        o_.fingerprint ? request_fingerprint_payload(req, o_.fingerprint_headers) : std::string{};
+    std::optional<Response> ran;   // the handler's answer, kept for a result the store could not take
+    std::vector<Header> unstored;  // headers the first caller gets but retries do not (Set-Cookie, ...)
+    auto run = [&](const context_type& ctx) -> detail::Stored {
+      Response r = call(handler, req, ctx);
+      if (!storable(r.status)) throw detail::not_stored{std::move(r)};
+      unstored = strip(r);
+      if (encoded_size(r) > o_.max_stored_response_bytes) {
+        if (transactional_) throw detail::not_stored{too_large(r)};  // rolls back: no effect without its answer
+        ran = r;  // the guard completes the key without it; this caller still gets it
+        ran->headers.insert(ran->headers.end(), unstored.begin(), unstored.end());
+      }
+      return detail::Stored{std::move(r), o_.max_stored_response_bytes};
+    };
+    try {
+      auto out = o_.fingerprint ? guard_->run(key, payload, run) : guard_->run(key, run);
+      Response r = answer(out);
+      if (out.status == Status::executed || (out.status == Status::lease_lost && !transactional_))
+        r.headers.insert(r.headers.end(), unstored.begin(), unstored.end());
+      return r;
+    } catch (detail::not_stored& n) {
+      return std::move(n.response);
+    } catch (const result_not_stored_error& e) {
+      // Lease mode: the effect happened and the key is completed without its answer; this caller
+      // still gets the answer, retries get a problem saying so.
+      if (ran) return std::move(*ran);
+      return problem(o_, 500, "response-not-stored", "Response not stored", e.what());
+    } catch (const invalid_key_error& e) {
+      return problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", e.what());
+    } catch (const idem::error& e) {
+      // Error texts name hosts and keys: they go to the guard's observer and logs, not to clients.
+      if (e.from_handler() || !e.retryable())
+        return problem(o_, 500, "internal-error", "Internal Server Error", "the request failed on the server");
+      Response r = problem(o_, 503, "store-unavailable", "Service Unavailable",
+                           "the idempotency store is unavailable; retry the same request with the same key");
+      r.set("Retry-After", "1");
+      return r;
+    } catch (const std::exception&) {
+      return problem(o_, 500, "internal-error", "Internal Server Error",
+                     "the request failed on the server; a retry with the same key runs it again");
+    }
+  }
+
+  /// The options in force.
+  [[nodiscard]] const HttpOptions& options() const noexcept { return o_; }
+
+ private:
+  template <class F>
+  static Response call(F& handler, const Request& req, const context_type& ctx) {
+    if constexpr (std::is_invocable_r_v<Response, F&, const Request&, const context_type&>)
+      return handler(req, ctx);
+    else
+      return handler(req);
+  }
+
+  template <class F>
+  Response unguarded(const Request& req, F& handler) {
+    try {
+      if constexpr (std::is_invocable_r_v<Response, F&, const Request&, const context_type&>)
+        return handler(req, context_type{});
+      else
+        return handler(req);
+    } catch (const std::exception&) {
+      return problem(o_, 500, "internal-error", "Internal Server Error", "the request failed on the server");
+    }
+  }
+
+  [[nodiscard]] bool storable(int status) const noexcept {
+    if (status >= 500) return o_.store_server_errors;
+    if (status >= 400) return o_.store_client_errors;
+    return true;
+  }
+
+  // Hop-by-hop and per-client headers never reach the store (an allow-list when configured);
+  // returns them, so that the caller whose request ran still gets them.
+  std::vector<Header> strip(Response& r) const {
+    auto stored = [&](const Header& h) {
+      if (detail::never_stored(h.name)) return false;
+      if (o_.stored_headers.empty()) return true;
+      for (const auto& keep : o_.stored_headers)
+        if (iequals(keep, h.name)) return true;
+      return false;
+    };
+    std::vector<Header> removed;
+    std::vector<Header> kept;
+    for (auto& h : r.headers) (stored(h) ? kept : removed).push_back(std::move(h));
+    r.headers = std::move(kept);
+    return removed;
+  }
+
+  static std::size_t encoded_size(const Response& r) {
+    std::size_t n = detail::response_magic.size() + 8 + r.body.size();
+    for (const auto& h : r.headers) n += 8 + h.name.size() + h.value.size();
+    return n;
+  }
+
+  Response too_large(const Response& r) const {
+    return problem(o_, 500, "response-too-large", "Response too large to store",
+                   fmt::format("the response is {} bytes, over max_stored_response_bytes ({}); nothing was committed",
+                               encoded_size(r), o_.max_stored_response_bytes));
+  }
+
+  // Scope and key are length-prefixed so that no (scope, key) pair can spell another's store key.
+  [[nodiscard]] std::string store_key(std::string_view scope, std::string_view key) const {
+    if (scope.empty()) return o_.key_prefix + std::string(key);
+    return fmt::format("{}{}:{}:{}", o_.key_prefix, scope.size(), scope, key);
+  }
+
+  Response answer(Outcome<detail::Stored>& out) {
+    switch (out.status) {
+      case Status::executed:
+        return std::move(out.value->response);
+      case Status::duplicate: {
+        if (out.result_unavailable)
+          return problem(o_, 500, "response-not-stored", "Response not stored",
+                         fmt::format("the first request with this key was processed but its response was not stored "
+                                     "({}); do not retry it",
+                                     out.error));
+        Response r = std::move(out.value->response);
+        r.set(o_.replay_header, "true");
+        return r;
+      }
+      case Status::in_flight: {
+        Response r = problem(o_, 409, "key-in-use", "Request in progress",
+                             "a request with this Idempotency-Key is still being processed; retry after Retry-After");
+        r.set("Retry-After", detail::seconds_up(out.retry_after));
+        return r;
+      }
+      case Status::mismatch:
+        return problem(o_, 422, "key-reused", "Idempotency-Key reused",
+                       "this Idempotency-Key was used with a different request (method, target, body); use a new key");
+      case Status::previously_failed:
+        return problem(o_, 500, "previously-failed", "Request failed",
+                       fmt::format("the first request with this key failed for good ({}); use a new key", out.error));
+      case Status::lease_lost:
+        // Lease mode: the effect happened but another request took the key over; transactional:
+        // nothing committed. Either way this answer was not stored.
+        if (!transactional_ && out.value) return std::move(out.value->response);
+        return problem(o_, 503, "lease-lost", "Service Unavailable", "the request's claim on its key was lost; retry");
+      case Status::stale:
+        break;
+    }
+    return problem(o_, 500, "internal-error", "Internal Server Error", "unexpected guard outcome");
+  }
+
+  IdempotencyGuard<Store>* guard_;
+  HttpOptions o_;
+  bool transactional_ = false;
+};
+
+}  // namespace idem::http
