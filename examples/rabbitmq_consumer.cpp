@@ -20,6 +20,8 @@
 #include <stop_token>
 #include <string>
 
+#include <fmt/core.h>
+
 #include "idem/idem.hpp"
 #include "idem/rabbitmq/consumer.hpp"
 
@@ -28,10 +30,14 @@ namespace {
 std::stop_source g_stop;
 extern "C" void on_signal(int) { g_stop.request_stop(); }
 
-const char* opt(int argc, char** argv, const char* name, const char* def) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
-  return def;
+// "--name value" pairs; "--help" alone.
+std::map<std::string, std::string> parse_flags(int argc, char** argv) {
+  std::map<std::string, std::string> f;
+  for (int i = 1; i < argc; ++i) {
+    const std::string name = argv[i];
+    f[name] = name != "--help" && i + 1 < argc ? argv[++i] : "";
+  }
+  return f;
 }
 
 // ---- YOUR LOGIC: the effect of one payment. Here an in-memory ledger; a poison payment (account
@@ -52,18 +58,19 @@ struct Ledger {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  for (int i = 1; i < argc; ++i)
-    if (std::strcmp(argv[i], "--help") == 0) {
-      std::puts("usage: idem_rabbitmq_consumer [--host H] [--port P] [--queue Q] [--prefetch N]\n"
-                "Consumes queue Q (declaring Q, Q.dlx -> Q.dlq and the delay queue Q.delay) and applies each\n"
-                "payment exactly once, until SIGINT or SIGTERM; then prints what it applied.");
-      return 0;
-    }
+  auto flags = parse_flags(argc, argv);
+  auto flag = [&](const char* name, const char* def) { return flags.count(name) ? flags[name] : std::string(def); };
+  if (flags.count("--help")) {
+    std::puts("usage: idem_rabbitmq_consumer [--host H] [--port P] [--queue Q] [--prefetch N]\n"
+              "Consumes queue Q (declaring Q, Q.dlx -> Q.dlq and the delay queue Q.delay) and applies each\n"
+              "payment exactly once, until SIGINT or SIGTERM; then prints what it applied.");
+    return 0;
+  }
   idem::RabbitConsumerOptions ro;
-  ro.host = opt(argc, argv, "--host", "127.0.0.1");
-  ro.port = std::atoi(opt(argc, argv, "--port", "5672"));
-  ro.queue = opt(argc, argv, "--queue", "payments");
-  ro.prefetch = static_cast<std::uint16_t>(std::atoi(opt(argc, argv, "--prefetch", "50")));
+  ro.host = flag("--host", "127.0.0.1");
+  ro.port = std::stoi(flag("--port", "5672"));
+  ro.queue = flag("--queue", "payments");
+  ro.prefetch = static_cast<std::uint16_t>(std::stoi(flag("--prefetch", "50")));
   idem::RabbitConsumer consumer(ro);
 
   idem::MemoryStore store;
@@ -88,12 +95,10 @@ int main(int argc, char** argv) try {
     }
   });
   const auto st = consumer.stats();
-  std::printf("applied %ld payments to %zu accounts; delivered %llu, acked %llu, dead-lettered %llu, requeued %llu\n",
-              ledger.applied, ledger.balance.size(), static_cast<unsigned long long>(st.delivered),
-              static_cast<unsigned long long>(st.acked), static_cast<unsigned long long>(st.dead_lettered),
-              static_cast<unsigned long long>(st.requeued));
+  fmt::print("applied {} payments to {} accounts; delivered {}, acked {}, dead-lettered {}, requeued {}\n",
+             ledger.applied, ledger.balance.size(), st.delivered, st.acked, st.dead_lettered, st.requeued);
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "idem_rabbitmq_consumer: %s\n", e.what());
+  fmt::print(stderr, "idem_rabbitmq_consumer: {}\n", e.what());
   return 1;
 }

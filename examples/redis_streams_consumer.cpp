@@ -22,6 +22,7 @@
 #include <stop_token>
 #include <string>
 
+#include <fmt/core.h>
 #include <hiredis/hiredis.h>
 
 #include "idem/idem.hpp"
@@ -120,12 +121,10 @@ int main(int argc, char** argv) try {
     }
   });
   const auto st = consumer.stats();
-  std::printf("read %llu, claimed %llu, acked %llu, dead-lettered %llu, left pending %llu\n",
-              static_cast<unsigned long long>(st.read), static_cast<unsigned long long>(st.claimed),
-              static_cast<unsigned long long>(st.acked), static_cast<unsigned long long>(st.dead_lettered),
-              static_cast<unsigned long long>(st.left_pending));
+  fmt::print("read {}, resumed {}, claimed {}, acked {}, dead-lettered {}, left pending {}\n", st.read, st.resumed,
+             st.claimed, st.acked, st.dead_lettered, st.left_pending);
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "idem_redis_streams_consumer: %s\n", e.what());
+  fmt::print(stderr, "idem_redis_streams_consumer: {}\n", e.what());
   return 1;
 }
