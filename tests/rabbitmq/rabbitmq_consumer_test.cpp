@@ -2,7 +2,7 @@
 // tests' broker fixture, tests/support/rabbitmq_broker.sh): every payment applied once across two
 // consumers, the poison and the id-less message dead-lettered once, a delayed requeue coming back
 // after its delay, deliveries of a consumer that went away (and of a channel the broker closed)
-// redelivered and answered as duplicates.
+// redelivered and answered as duplicates, and a connection killed mid-prefetch (a proxy cuts it).
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -21,6 +21,7 @@
 #include "idem/idem.hpp"
 #include "idem/rabbitmq/consumer.hpp"
 #include "rabbitmq_support.hpp"
+#include "support/tcp_proxy.hpp"
 
 using namespace std::chrono_literals;
 
@@ -287,3 +288,56 @@ TEST_CASE("rabbitmq_consumer template: a consumer process applies each payment o
   CHECK_THAT(printed, Catch::Contains("applied 200 payments to 7 accounts"));
 }
 #endif
+
+TEST_CASE("RabbitConsumer: the connection killed mid-prefetch, the consumer reconnects and the unacked deliveries "
+          "come back as duplicates") {
+  auto broker = idem::test::RabbitBroker::shared();
+  const std::string q = random_name("cut");
+  idem::test::TcpProxy proxy{broker->port()};
+  auto o = options(proxy.port(), q);
+  idem::RabbitConsumer c(o);
+  idem::MemoryStore store;
+  idem::IdempotencyGuard guard{store, {.lease = 5s}};
+  std::map<std::string, int> applied;
+  auto run = [&](const idem::RabbitDelivery& d) {
+    return guard.run(d.message_id, d.body, [&] { return ++applied[d.message_id]; });
+  };
+  Publisher pub(broker->port());
+  for (int i = 0; i < 10; ++i) pub.send(q, "k-" + std::to_string(i), "b");
+  // Five handled and acked, five handled (the effect done) and not yet acked when the link dies.
+  std::vector<idem::RabbitDelivery> held;
+  for (int i = 0; i < 10; ++i) {
+    auto d = c.next(5s);
+    REQUIRE(d);
+    const auto out = run(*d);
+    CHECK(out.status == idem::Status::executed);
+    if (i < 5) c.settle(*d, c.decide(out));
+    else held.push_back(*d);
+  }
+  proxy.cut_next_reply();
+  pub.send(q, "k-10", "b");  // its delivery is what the proxy cuts: the connection closes under the consumer
+  bool lost = false;
+  for (int i = 0; i < 50 && !lost; ++i) {
+    try {
+      (void)c.next(100ms);
+    } catch (const idem::connection_error& e) {
+      CHECK(e.retryable());
+      lost = true;
+    }
+  }
+  REQUIRE(lost);
+  for (const auto& d : held) c.settle(d, {idem::BrokerAction::ack, {}});  // their connection is gone: nothing sent
+  int duplicates = 0, executed = 0;
+  for (int i = 0; i < 6; ++i) {  // the five unacked come back, and k-10
+    auto d = c.next(5s);
+    REQUIRE(d);
+    const auto out = run(*d);
+    (out.status == idem::Status::duplicate ? duplicates : executed) += 1;
+    c.settle(*d, c.decide(out));
+  }
+  CHECK(duplicates == 5);
+  CHECK(executed == 1);
+  CHECK(c.stats().reconnects == 1);
+  CHECK(applied.size() == 11);
+  for (const auto& [id, n] : applied) CHECK(n == 1);
+}
