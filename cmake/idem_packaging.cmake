@@ -90,6 +90,8 @@ idem_pkgconfig(kafka DESCRIPTION "idem: Kafka consumer helpers (OffsetTracker, t
 idem_pkgconfig(outbox_rabbitmq DESCRIPTION "idem: the outbox's RabbitMQ publisher (librabbitmq)"
                REQUIRES idem DEPS librabbitmq)
 idem_pkgconfig(rabbitmq DESCRIPTION "idem: the RabbitMQ queue consumer (librabbitmq)" REQUIRES idem DEPS librabbitmq)
+idem_pkgconfig(nats DESCRIPTION "idem: the NATS JetStream pull consumer (libnats)" REQUIRES idem DEPS libnats)
+idem_pkgconfig(outbox_nats DESCRIPTION "idem: the outbox's NATS JetStream publisher (libnats)" REQUIRES idem DEPS libnats)
 idem_pkgconfig(prometheus DESCRIPTION "idem: the Prometheus observer (prometheus-cpp)"
                REQUIRES idem DEPS prometheus-cpp-pull prometheus-cpp-core)
 
@@ -141,6 +143,9 @@ if(TARGET idem_outbox_kafka OR TARGET idem_kafka)
 endif()
 if(TARGET idem_outbox_rabbitmq OR TARGET idem_rabbitmq)
   list(APPEND _idem_dev_depends librabbitmq-dev)
+endif()
+if(TARGET idem_nats OR TARGET idem_outbox_nats)
+  list(APPEND _idem_dev_depends libnats-dev)
 endif()
 if(TARGET idem_prometheus)
   list(APPEND _idem_dev_depends prometheus-cpp-dev)

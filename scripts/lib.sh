@@ -55,3 +55,5 @@ all_packages+=(spin clang libclang-rt-14-dev)
 all_packages+=(doxygen prometheus)
 # idem::http's cpp-httplib adapter, examples/http_payments and tests/http (its client).
 all_packages+=(libcpp-httplib-dev)
+# idem::nats (src/nats) and its tests, which start a real nats-server -js (tests/nats).
+all_packages+=(libnats-dev nats-server)

@@ -1,0 +1,303 @@
+// NatsConsumer (include/idem/nats/consumer.hpp) on a real nats-server -js: bad options refused;
+// every effect once with duplicates published and three consumers sharing a guard; a poison message
+// dead-lettered once and Term'd; a handler slower than AckWait kept alive by InProgress; the server
+// restarted mid-run with nothing lost or doubled.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <random>
+#include <stop_token>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "idem/idem.hpp"
+#include "idem/nats/consumer.hpp"
+#include "nats_server.hpp"
+
+using namespace std::chrono_literals;
+using idem::test::nats::Client;
+using idem::test::nats::NatsServer;
+
+namespace {
+
+NatsServer& server() {
+  static NatsServer s;
+  return s;
+}
+
+std::string unique(const char* prefix) {
+  static std::mt19937_64 rng{std::random_device{}()};
+  return prefix + std::to_string(rng() % 1'000'000'000);
+}
+
+idem::NatsConsumerOptions options(const std::string& stream, const std::string& subject) {
+  idem::NatsConsumerOptions o;
+  o.url = server().url();
+  o.stream = stream;
+  o.durable = "workers";
+  o.subject = subject;
+  o.batch = 4;
+  o.fetch_wait = 100ms;
+  o.ack_wait = 2000ms;
+  o.nak_delay = 50ms;
+  o.timeout = 2000ms;
+  return o;
+}
+
+// Waits until the durable has nothing undelivered and nothing unacked.
+bool drained(Client& c, const std::string& stream, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < deadline) {
+    try {
+      const auto st = c.consumer(stream, "workers");
+      if (st.pending == 0 && st.ack_pending == 0) return true;
+    } catch (const std::exception&) {  // the server restarting
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  return false;
+}
+
+// One guarded run per message, the decision from its outcome (or its exception).
+template <class Guard, class Effect>
+auto guarded(Guard& guard, Effect effect) {
+  return [&guard, effect](const idem::NatsMessage& m) {
+    const std::string key = m.header("Idem-Key") != nullptr ? *m.header("Idem-Key") : std::string();
+    try {
+      return idem::NatsConsumer::decide(guard.run(key, [&] { effect(key); }));
+    } catch (...) {
+      return idem::NatsConsumer::decide(std::current_exception());
+    }
+  };
+}
+
+}  // namespace
+
+TEST_CASE("NatsConsumer: bad options are refused at construction, naming the field") {
+  auto refused = [](idem::NatsConsumerOptions o, const char* field) {
+    try {
+      idem::NatsConsumer c(std::move(o));
+      FAIL("accepted bad " << field);
+    } catch (const idem::invalid_options_error& e) {
+      CHECK_THAT(e.what(), Catch::Contains(field));
+    }
+  };
+  const auto o = options("S", "s.in");
+  auto x = o; x.stream = "a.b"; refused(x, "stream");
+  x = o; x.durable = ""; refused(x, "durable");
+  x = o; x.subject = ""; refused(x, "subject");
+  x = o; x.batch = 0; refused(x, "batch");
+  x = o; x.fetch_wait = 0ms; refused(x, "fetch_wait");
+  x = o; x.max_deliver = 0; refused(x, "max_deliver");
+  x = o; x.in_progress_every = 2000ms; refused(x, "in_progress_every");
+  x = o; x.nak_delay = -1ms; refused(x, "nak_delay");
+  x = o; x.dead_letter = "s.in"; refused(x, "dead_letter");
+  // A server that is not there is a retryable connection error, not a hang.
+  x = o; x.url = "nats://127.0.0.1:" + std::to_string(idem::test::nats::free_port());
+  try {
+    idem::NatsConsumer c(x);
+    FAIL("connected to nothing");
+  } catch (const idem::connection_error& e) {
+    CHECK(e.retryable());
+  }
+  // No such stream, and not asked to create it: JetStream's refusal, not retryable.
+  x = o; x.stream = unique("MISSING");
+  CHECK_THROWS_AS(idem::NatsConsumer(x), idem::store_error);
+}
+
+TEST_CASE("NatsConsumer: every effect once with 20% duplicates published and three consumers sharing a guard") {
+  Client client(server().url());
+  const std::string stream = unique("EO"), subject = "eo." + stream;
+  client.add_stream(stream, subject);
+  constexpr int keys = 40;
+  for (int i = 0; i < keys; ++i) client.publish(subject, "k" + std::to_string(i), "payload");
+  for (int i = 0; i < keys / 5; ++i) client.publish(subject, "k" + std::to_string(i * 5), "payload");  // redeliveries-to-be
+
+  idem::MemoryStore store;
+  idem::GuardOptions go;
+  go.lease = 1000ms;  // an in_flight answer waits at most this before its redelivery
+  idem::IdempotencyGuard guard(store, go);
+  std::mutex mu;
+  std::map<std::string, int> effects;
+  auto effect = [&](const std::string& key) {
+    std::this_thread::sleep_for(2ms);
+    std::lock_guard lock(mu);
+    ++effects[key];
+  };
+  std::vector<std::unique_ptr<idem::NatsConsumer>> consumers;
+  for (int i = 0; i < 3; ++i) consumers.push_back(std::make_unique<idem::NatsConsumer>(options(stream, subject)));
+  {
+    std::vector<std::jthread> threads;
+    for (auto& c : consumers)
+      threads.emplace_back([&c, &guard, &effect](std::stop_token st) { c->run(st, guarded(guard, effect)); });
+    REQUIRE(drained(client, stream, 20s));
+  }
+  std::lock_guard lock(mu);
+  CHECK(effects.size() == keys);
+  for (const auto& [k, n] : effects) CHECK(n == 1);
+  std::uint64_t acked = 0;
+  for (auto& c : consumers) acked += c->stats().acked;
+  CHECK(acked == keys + keys / 5);  // every stream message acked once: duplicates too
+}
+
+TEST_CASE("NatsConsumer: a poison message is dead-lettered once, with why and where from, and never redelivered") {
+  Client client(server().url());
+  const std::string stream = unique("PO"), subject = "po." + stream;
+  client.add_stream(stream, subject);
+  client.add_stream(stream + "_DLQ", "idem.dlq." + stream);
+  client.publish(subject, "poison", "bad");
+  client.publish(subject, "fine", "good");
+
+  idem::MemoryStore store;
+  idem::GuardOptions go;
+  go.lease = 2000ms;
+  go.failure = {idem::FailureMode::record, 2, 50ms, 50ms};  // the second failure is permanent
+  idem::IdempotencyGuard guard(store, go);
+  std::atomic<int> poison_runs{0}, fine_runs{0};
+  auto effect = [&](const std::string& key) {
+    if (key == "poison") {
+      ++poison_runs;
+      throw std::runtime_error("cannot parse the order");
+    }
+    ++fine_runs;
+  };
+  auto o = options(stream, subject);
+  o.ack_wait = 1000ms;
+  idem::NatsConsumer consumer(o);
+  {
+    std::jthread t([&](std::stop_token st) { consumer.run(st, guarded(guard, effect)); });
+    REQUIRE(drained(client, stream, 15s));
+    std::this_thread::sleep_for(1500ms);  // past AckWait: a message not Term'd would be back by now
+  }
+  CHECK(poison_runs == 2);
+  CHECK(fine_runs == 1);
+  CHECK(consumer.stats().dead_lettered == 1);
+  CHECK(client.consumer(stream, "workers").ack_pending == 0);
+  REQUIRE(client.stream_messages(stream + "_DLQ") == 1);
+  natsMsg* letter = client.stream_message(stream + "_DLQ", 1);
+  auto header = [&](const char* name) {
+    const char* v = nullptr;
+    return natsMsgHeader_Get(letter, name, &v) == NATS_OK ? std::string(v) : std::string("<none>");
+  };
+  CHECK(std::string(natsMsg_GetData(letter), static_cast<std::size_t>(natsMsg_GetDataLength(letter))) == "bad");
+  CHECK(header("Idem-Key") == "poison");  // the original headers travel with it
+  CHECK_THAT(header("Idem-Reason"), Catch::Contains("cannot parse the order"));
+  CHECK(header("Idem-Subject") == subject);
+  CHECK(header("Idem-Stream") == stream);
+  CHECK(header("Idem-Stream-Sequence") == "1");
+  CHECK(header("Idem-Delivered") == "3");
+  natsMsg_Destroy(letter);
+}
+
+TEST_CASE("NatsConsumer: a batch handled for longer than AckWait is kept alive by InProgress, never redelivered mid-run") {
+  Client client(server().url());
+  const std::string stream = unique("SL"), subject = "sl." + stream;
+  client.add_stream(stream, subject);
+  client.publish(subject, "slow-1", "x");
+  client.publish(subject, "slow-2", "x");
+
+  idem::MemoryStore store;
+  idem::GuardOptions go;
+  go.lease = 10'000ms;
+  idem::IdempotencyGuard guard(store, go);
+  std::atomic<int> runs{0};
+  auto effect = [&](const std::string&) {
+    ++runs;
+    std::this_thread::sleep_for(1300ms);  // each alone beyond AckWait; the second waits behind the first
+  };
+  auto o = options(stream, subject);
+  o.ack_wait = 1000ms;
+  o.in_progress_every = 250ms;
+  idem::NatsConsumer slow(o), idle(o);  // `idle` would take any redelivery
+  {
+    std::jthread a([&](std::stop_token st) { slow.run(st, guarded(guard, effect)); });
+    std::this_thread::sleep_for(200ms);  // `slow` fetches both first
+    std::jthread b([&](std::stop_token st) { idle.run(st, guarded(guard, effect)); });
+    REQUIRE(drained(client, stream, 15s));
+  }
+  CHECK(runs == 2);
+  CHECK(slow.stats().fetched == 2);
+  CHECK(idle.stats().fetched == 0);
+  CHECK(slow.stats().in_progress >= 4);
+  CHECK(client.consumer(stream, "workers").redelivered == 0);
+}
+
+TEST_CASE("NatsConsumer: the server restarted mid-run: the consumers reconnect and finish, nothing lost or doubled") {
+  Client client(server().url());
+  const std::string stream = unique("RS"), subject = "rs." + stream;
+  client.add_stream(stream, subject);
+  constexpr int keys = 30;
+  for (int i = 0; i < keys; ++i) client.publish(subject, "k" + std::to_string(i), "payload");
+
+  idem::MemoryStore store;
+  idem::GuardOptions go;
+  go.lease = 1000ms;
+  idem::IdempotencyGuard guard(store, go);
+  std::mutex mu;
+  std::map<std::string, int> effects;
+  auto effect = [&](const std::string& key) {
+    std::this_thread::sleep_for(40ms);
+    std::lock_guard lock(mu);
+    ++effects[key];
+  };
+  auto count = [&] {
+    std::lock_guard lock(mu);
+    return effects.size();
+  };
+  auto o = options(stream, subject);
+  o.batch = 2;
+  idem::NatsConsumer c1(o), c2(o);
+  {
+    std::jthread a([&](std::stop_token st) { c1.run(st, guarded(guard, effect)); });
+    std::jthread b([&](std::stop_token st) { c2.run(st, guarded(guard, effect)); });
+    const auto deadline = std::chrono::steady_clock::now() + 10s;
+    while (count() < 8 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+    REQUIRE(count() >= 8);
+    CHECK(count() < keys);  // the restart lands mid-run
+    server().stop();
+    std::this_thread::sleep_for(300ms);
+    server().start();  // same port, same JetStream storage
+    REQUIRE(drained(client, stream, 25s));
+  }
+  std::lock_guard lock(mu);
+  CHECK(effects.size() == keys);
+  for (const auto& [k, n] : effects) CHECK(n == 1);
+  CHECK(client.stream_messages(stream) == keys);
+}
+
+TEST_CASE("NatsConsumer: creates its stream when asked, and a message still requeued at its last delivery is dead-lettered") {
+  Client client(server().url());
+  const std::string stream = unique("MD"), subject = "md." + stream;
+  client.add_stream(stream + "_DLQ", "idem.dlq." + stream);
+  auto o = options(stream, subject);
+  o.create_stream = true;
+  o.max_deliver = 2;
+  idem::NatsConsumer consumer(o);
+  CHECK(client.stream_messages(stream) == 0);  // created, empty
+  client.publish(subject, "always-fails", "x");
+
+  idem::MemoryStore store;
+  idem::IdempotencyGuard guard(store);  // failure policy release: every delivery runs it again
+  std::atomic<int> runs{0};
+  auto effect = [&](const std::string&) {
+    ++runs;
+    throw std::runtime_error("downstream refused");
+  };
+  {
+    std::jthread t([&](std::stop_token st) { consumer.run(st, guarded(guard, effect)); });
+    REQUIRE(drained(client, stream, 10s));
+  }
+  CHECK(runs == 2);
+  CHECK(consumer.stats().nacked == 1);
+  CHECK(consumer.stats().dead_lettered == 1);
+  REQUIRE(client.stream_messages(stream + "_DLQ") == 1);
+  natsMsg* letter = client.stream_message(stream + "_DLQ", 1);
+  const char* reason = nullptr;
+  REQUIRE(natsMsgHeader_Get(letter, "Idem-Reason", &reason) == NATS_OK);
+  CHECK_THAT(std::string(reason), Catch::Contains("max_deliver (2) reached") && Catch::Contains("downstream refused"));
+  natsMsg_Destroy(letter);
+}
