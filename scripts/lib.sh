@@ -48,6 +48,8 @@ all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev r
 # The package tests (tests/package): make builds the pkg-config consumer; cpack's DEB generator
 # reads the tools' runtime dependencies with dpkg-shlibdeps (dpkg-dev); dpkg-deb comes with dpkg.
 all_packages+=(make dpkg-dev)
+# The PostgreSQL stores behind a pooler (tests/postgres/pgbouncer.sh starts one of its own).
+all_packages+=(pgbouncer)
 # The model check (tests/proof, docs/proof.md) and the fuzz targets (tests/fuzz, clang's libFuzzer).
 all_packages+=(spin clang libclang-rt-14-dev)
 # The API reference (docs/CMakeLists.txt: `--target docs`) and the operations kit's checks

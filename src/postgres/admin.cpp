@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <libpq-fe.h>
 
+#include "client.hpp"
 #include "errors.hpp"
 #include "idem/core/error.hpp"
 
@@ -367,8 +368,20 @@ std::vector<Finding> PostgresAdmin::doctor() {
         "ALTER ROLE <app> SET synchronous_commit = on (or in postgresql.conf)");
   else
     add(Severity::ok, "synchronous_commit", sc);
-  if (scalar("SELECT pg_is_in_recovery()") == "t")
-    add(Severity::error, "role", "this server is a standby: every store call writes", "point the conninfo at the primary");
+  // What survives a failover: the replication settings and what they mean (durability.cpp, the
+  // same sentence a store's construction warns with).
+  const detail::Durability d = detail::read_durability(impl_->pg);
+  if (d.in_recovery)
+    add(Severity::error, "role", fmt::format("this server is a standby: every store call writes ({})", d.summary()),
+        "point the conninfo at the primary, or list every node with target_session_attrs=read-write");
+  else if (d.synchronous() && d.sync_standbys > 0)
+    add(Severity::ok, "replication", fmt::format("{}: {}", d.summary(), d.meaning()));
+  else if (d.synchronous())
+    add(Severity::warning, "replication", fmt::format("{}: {}", d.summary(), d.meaning()),
+        "start the synchronous standby, or name two candidates (synchronous_standby_names = 'ANY 1 (s1, s2)')");
+  else
+    add(Severity::warning, "replication", fmt::format("{}: {}", d.summary(), d.meaning()),
+        "for no loss on failover: synchronous_standby_names naming the standbys, synchronous_commit = on");
   return out;
 }
 

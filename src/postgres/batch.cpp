@@ -313,7 +313,11 @@ std::vector<WriteStatus> PostgresStore::BatchWriter::finish() {
   m.lanes.clear();  // given back (or dropped) before settle checks out another
   m.no_session = false;
   m.no_more_lanes = false;
+  bool sync_cut = false;
+  for (const auto& r : replies) sync_cut = sync_cut || r.sync_cut;
   m.store->settle(calls, replies, "batch write", true);
+  for (const auto& r : replies) sync_cut = sync_cut || r.sync_cut;
+  if (sync_cut) detail::throw_sync_cancelled("batch write");
   std::vector<WriteStatus> out;
   out.reserve(replies.size());
   for (std::size_t i = 0; i < replies.size(); ++i) {

@@ -6,6 +6,9 @@
 // the one the lost reply carried, never a blind second write, a false in_flight / lease_lost, or a
 // re-run of the handler.
 
+#include <chrono>
+#include <thread>
+
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
@@ -32,7 +35,8 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
   Ready s(store);
   PGconn* c = s.pg();
   Reply out;
-  if (PQsendQueryPrepared(c, store.names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1) != 1) {
+  s.get()->sync_cancelled = false;
+  if (store.send_statement(c, st, p) != 1) {
     s.healthy(false);
     out.fate = Fate::unsent;
     out.why = first_line(PQerrorMessage(c));
@@ -46,6 +50,12 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
       PQclear(r);
   }
   const PGresult* r = ResultAccess::native(out.result);
+  // A write whose commit stopped waiting for its synchronous standby answered success (or the
+  // session died right after, on a shutdown): either way it may be on the primary alone.
+  if (s.get()->sync_cancelled) {
+    s.healthy(PQstatus(c) == CONNECTION_OK);
+    throw_sync_cancelled(what);
+  }
   if (PQstatus(c) == CONNECTION_OK) {
     // An error without a SQLSTATE on a live session is libpq's own (out of memory, ...).
     if (!result_ok(r) && sqlstate_of(r).empty()) throw_result(what, r, c, store_missing);
@@ -80,6 +90,7 @@ Pipeline::Pipeline(StoreImpl& s, std::unique_ptr<Connection> session) : store_(&
     s.client.pool().checkin(std::move(conn_), false);  // some statements may be prepared: never reuse it
     throw;
   }
+  conn_->sync_cancelled = false;
   if (PQenterPipelineMode(conn_->pg) != 1) {
     broken_ = true;
     why_ = first_line(PQerrorMessage(conn_->pg));
@@ -95,7 +106,7 @@ bool Pipeline::send(Stmt st, const Params& p) {
     // PQpipelineSync flushes (libpq 14-16): the request has left when it returns. libpq reads
     // the answers arriving meanwhile whenever a send would block, so a long pipeline cannot
     // deadlock against a server blocked on writing its answers.
-    sent = PQsendQueryPrepared(c, store_->names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1) == 1 &&
+    sent = store_->send_statement(c, st, p) == 1 &&
            PQpipelineSync(c) == 1;
     if (!sent) {
       broken_ = true;
@@ -131,6 +142,10 @@ Reply Pipeline::next() {
       PQclear(extra);
     }
   }
+  if (conn_->sync_cancelled) {  // this request's commit (the notice precedes its answer)
+    out.sync_cut = true;
+    conn_->sync_cancelled = false;
+  }
   PGresult* sync = r ? PQgetResult(c) : nullptr;
   const bool synced = sync && PQresultStatus(sync) == PGRES_PIPELINE_SYNC;
   PQclear(sync);
@@ -165,31 +180,54 @@ void StoreImpl::settle(std::span<const Call> calls, std::span<Reply> replies, st
   for (std::size_t i = 0; i < replies.size(); ++i)
     if (replies[i].fate != Fate::answered) open.push_back(i);
   if (open.empty()) return;
-  // Once more, on another session, as the same holders (the dead one was dropped).
-  std::vector<Reply> second(open.size());
-  try {
-    Pipeline p(*this);
-    for (std::size_t i : open) p.send(calls[i].again, *calls[i].params);
-    for (Reply& r : second) r = p.next();
-    p.close();
-  } catch (const store_error& e) {
+  const auto deadline = std::chrono::steady_clock::now() + client.options().settle_wait;
+  std::vector<bool> doubt(replies.size(), false);
+  for (std::size_t i : open) doubt[i] = writes && replies[i].fate == Fate::in_doubt;
+  auto any_doubt = [&] {
     for (std::size_t i : open)
-      if (writes && replies[i].fate == Fate::in_doubt) throw_unknown(what, replies[i].why, e.what());
-    throw;
-  }
-  for (std::size_t k = 0; k < open.size(); ++k) {
-    Reply& first = replies[open[k]];
-    if (second[k].fate == Fate::answered) {
-      first = std::move(second[k]);
-      continue;
+      if (doubt[i]) return true;
+    return false;
+  };
+  // Once more, on another session, as the same holders (the dead one was dropped); while a write
+  // that may have run is unsettled, again until settle_wait has passed (exchange does the same).
+  std::vector<Reply> second;
+  for (int round = 0;; ++round) {
+    if (round > 0) std::this_thread::sleep_for(std::chrono::milliseconds(round < 10 ? 20 : 100));
+    second.clear();
+    second.resize(open.size());
+    try {
+      Pipeline p(*this);
+      for (std::size_t i : open) p.send(calls[i].again, *calls[i].params);
+      for (Reply& r : second) r = p.next();
+      p.close();
+    } catch (const store_error& e) {
+      if (any_doubt() && e.retryable() && std::chrono::steady_clock::now() < deadline) continue;
+      for (std::size_t i : open)
+        if (doubt[i]) throw_unknown(what, replies[i].why, e.what());
+      throw;
     }
-    if (writes && (first.fate == Fate::in_doubt || second[k].fate == Fate::in_doubt))
-      throw_unknown(what, first.why, second[k].why);
+    std::vector<std::size_t> still;
+    for (std::size_t k = 0; k < open.size(); ++k) {
+      const std::size_t i = open[k];
+      if (second[k].fate == Fate::answered) {
+        replies[i] = std::move(second[k]);
+        continue;
+      }
+      doubt[i] = doubt[i] || (writes && second[k].fate == Fate::in_doubt);
+      if (replies[i].why.empty()) replies[i].why = second[k].why;
+      still.push_back(i);
+    }
+    if (still.empty()) return;
+    std::vector<Reply> last;
+    for (std::size_t k = 0; k < open.size(); ++k)
+      if (second[k].fate != Fate::answered) last.push_back(std::move(second[k]));
+    open = std::move(still);
+    if (any_doubt() && std::chrono::steady_clock::now() < deadline) continue;
+    for (std::size_t k = 0; k < open.size(); ++k)
+      if (doubt[open[k]]) throw_unknown(what, replies[open[k]].why, last[k].why);
+    throw connection_error(fmt::format("idem: postgres {} failed: {} (connection lost)", what, last.front().why),
+                           "08006", true);
   }
-  for (std::size_t k = 0; k < open.size(); ++k)
-    if (second[k].fate != Fate::answered)
-      throw connection_error(fmt::format("idem: postgres {} failed: {} (connection lost)", what, second[k].why),
-                             "08006", true);
 }
 
 std::vector<PostgresResult> StoreImpl::exchange_many(std::span<const Call> calls, std::string_view what, bool writes) {
@@ -199,10 +237,15 @@ std::vector<PostgresResult> StoreImpl::exchange_many(std::span<const Call> calls
     for (const Call& c : calls) p.send(c.st, *c.params);
     for (Reply& r : replies) r = p.next();
   }  // given back (or dropped) before settle checks out another
+  for (const Reply& r : replies)
+    if (r.sync_cut) throw_sync_cancelled(what);
   settle(calls, replies, what, writes);
   std::vector<PostgresResult> out;
   out.reserve(replies.size());
-  for (Reply& r : replies) out.push_back(std::move(r.result));
+  for (Reply& r : replies) {
+    if (r.sync_cut) throw_sync_cancelled(what);
+    out.push_back(std::move(r.result));
+  }
   return out;
 }
 
@@ -210,16 +253,28 @@ PostgresResult StoreImpl::exchange(Stmt st, Stmt again, const Params& p, std::st
   Reply first = send(*this, st, p, what);
   if (first.fate == Fate::answered) return std::move(first.result);
   // The session died under the call: once more, on another session (the dead one is dropped).
-  const bool doubt = writes && first.fate == Fate::in_doubt;
+  // A write that may have run is asked again until settle_wait has passed: during a failover no
+  // primary answers for a while, and the new one has the row if the write reached it.
+  bool doubt = writes && first.fate == Fate::in_doubt;
+  const auto deadline = std::chrono::steady_clock::now() + client.options().settle_wait;
   Reply second;
-  try {
-    second = send(*this, again, p, what);
-  } catch (const store_error& e) {
-    if (doubt) throw_unknown(what, first.why, e.what());
-    throw;
+  for (int round = 0;; ++round) {
+    const bool more = doubt && std::chrono::steady_clock::now() < deadline;
+    if (round > 0) std::this_thread::sleep_for(std::chrono::milliseconds(round < 10 ? 20 : 100));
+    try {
+      second = send(*this, again, p, what);
+    } catch (const durability_error&) {
+      throw;  // answered, on the primary alone: asking again would hide that
+    } catch (const store_error& e) {
+      if (more && e.retryable()) continue;
+      if (doubt) throw_unknown(what, first.why, e.what());
+      throw;
+    }
+    if (second.fate == Fate::answered) return std::move(second.result);
+    doubt = doubt || (writes && second.fate == Fate::in_doubt);
+    if (!(doubt && std::chrono::steady_clock::now() < deadline)) break;
   }
-  if (second.fate == Fate::answered) return std::move(second.result);
-  if (doubt || (writes && second.fate == Fate::in_doubt)) throw_unknown(what, first.why, second.why);
+  if (doubt) throw_unknown(what, first.why, second.why);
   throw connection_error(fmt::format("idem: postgres {} failed: {} (connection lost)", what, second.why), "08006",
                          true);
 }

@@ -6,12 +6,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 #include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
+#include "idem/detail/warning_relay.hpp"
 
 namespace idem {
 namespace detail {
@@ -26,7 +28,28 @@ bool read_only_session(const PGconn* c) {
   }
   return false;
 }
+// Notices of a pooled session: only the server's "canceling wait for synchronous replication"
+// matters (its text, since PostgreSQL gives that warning no SQLSTATE of its own; the detail says
+// "already committed locally").
+void notice(void* arg, const PGresult* r) {
+  const char* sev = PQresultErrorField(r, PG_DIAG_SEVERITY_NONLOCALIZED);
+  if (sev == nullptr || std::string_view(sev) != "WARNING") return;
+  const char* msg = PQresultErrorField(r, PG_DIAG_MESSAGE_PRIMARY);
+  const char* detail = PQresultErrorField(r, PG_DIAG_MESSAGE_DETAIL);
+  const bool cut = (msg != nullptr && std::string_view(msg).find("synchronous replication") != std::string_view::npos) ||
+                   (detail != nullptr && std::string_view(detail).find("committed locally") != std::string_view::npos);
+  if (cut) static_cast<Connection*>(arg)->sync_cancelled = true;
+}
 }  // namespace
+
+void throw_sync_cancelled(std::string_view what) {
+  throw durability_error(
+      fmt::format("idem: postgres {}: the server cancelled its wait for a synchronous standby (pg_cancel_backend, "
+                  "or a shutdown): the write is committed on the primary but may be on no standby, so a failover "
+                  "could lose it; do not ack: a redelivery finds the record, or runs again if a failover lost it",
+                  what),
+      0, 1);
+}
 
 bool Connection::prepared(std::uint32_t set) const noexcept {
   return std::find(sets.begin(), sets.end(), set) != sets.end();
@@ -49,10 +72,13 @@ ConnectionTraits::connection ConnectionTraits::connect() {
                                        PQhost(raw), PQport(raw)),
                            "25006", true);
   // Server notices (IF NOT EXISTS skips, ...) are not the caller's business: no stderr noise.
-  PQsetNoticeProcessor(
-      raw, [](void*, const char*) {}, nullptr);
-  const std::string set = "SET statement_timeout = " + std::to_string(statement_timeout.count());
-  exec_simple(raw, set.c_str(), "session setup");
+  // One warning is: a cancelled wait for synchronous replication leaves the commit on the
+  // primary only, and the statement still answers success.
+  PQsetNoticeReceiver(raw, &notice, c.get());
+  if (!transaction_pooler) {
+    const std::string set = "SET statement_timeout = " + std::to_string(statement_timeout.count());
+    exec_simple(raw, set.c_str(), "session setup");
+  }
   return c;
 }
 
@@ -86,6 +112,8 @@ PostgresOptions checked(PostgresOptions o) {
   check_pool_options(o.pool, "PostgresOptions");
   if (o.statement_timeout < millis{0})
     throw invalid_options_error("idem: PostgresOptions::statement_timeout must be >= 0 (0 = no limit)");
+  if (o.settle_wait < millis{0})
+    throw invalid_options_error("idem: PostgresOptions::settle_wait must be >= 0 (0 = ask for a lost outcome once)");
   check_conninfo(o.conninfo);
   return o;
 }
@@ -93,7 +121,56 @@ PostgresOptions checked(PostgresOptions o) {
 
 ClientImpl::ClientImpl(PostgresOptions options)
     : opt_(checked(std::move(options))),
-      pool_(opt_.pool, ConnectionTraits{opt_.conninfo, opt_.statement_timeout}, "PostgreSQL") {}
+      pool_(opt_.pool, ConnectionTraits{opt_.conninfo, opt_.statement_timeout, opt_.transaction_pooler}, "PostgreSQL") {
+  opt_.observer = WarningRelay::wrap(std::move(opt_.observer));
+  check_durability();
+}
+
+void ClientImpl::check_durability() {
+  // How many hosts the conninfo lists, and whether it bounds a connection attempt.
+  std::size_t hosts = 1;
+  bool timeout = false;
+  char* err = nullptr;
+  if (PQconninfoOption* parsed = PQconninfoParse(opt_.conninfo.c_str(), &err)) {
+    for (PQconninfoOption* o = parsed; o->keyword; ++o) {
+      if (!o->val || !*o->val) continue;
+      const std::string_view k = o->keyword;
+      if (k == "host" || k == "hostaddr")
+        hosts = std::max<std::size_t>(hosts, 1 + std::count(o->val, o->val + std::strlen(o->val), ','));
+      if (k == "connect_timeout") timeout = true;
+    }
+    PQconninfoFree(parsed);
+  }
+  if (err) PQfreemem(err);
+  // One look at the server when the client is built; a server that cannot be reached now is not
+  // an error here (the first call says so, retryable), and the look is bounded by 5 s.
+  const char* keys[] = {"dbname", "fallback_application_name", timeout ? nullptr : "connect_timeout", nullptr};
+  const char* vals[] = {opt_.conninfo.c_str(), "idem", "5", nullptr};
+  std::unique_ptr<PGconn, void (*)(PGconn*)> c(PQconnectdbParams(keys, vals, 1), &PQfinish);
+  if (!c || PQstatus(c.get()) != CONNECTION_OK) return;
+  PQsetNoticeProcessor(
+      c.get(), [](void*, const char*) {}, nullptr);
+  Durability d;
+  try {
+    d = read_durability(c.get());
+  } catch (const error&) {
+    return;  // a role that may not read the settings: `idem doctor` tells
+  }
+  const std::string where = fmt::format("{}:{}", PQhost(c.get()), PQport(c.get()));
+  if (d.in_recovery && hosts == 1)
+    throw invalid_options_error(fmt::format(
+        "idem: the only host in PostgresOptions::conninfo, {}, is a standby (pg_is_in_recovery() is true) and every "
+        "store call writes; give the primary, or list every node with target_session_attrs=read-write",
+        where));
+  if (!opt_.observer) return;
+  if (d.in_recovery)
+    opt_.observer->on_warning(fmt::format("idem: PostgreSQL conninfo reached the standby {} first: sessions there are "
+                                          "refused (25006); add target_session_attrs=read-write so libpq picks the "
+                                          "primary",
+                                          where));
+  else if (!d.synchronous() || d.sync_standbys == 0)
+    opt_.observer->on_warning(fmt::format("idem: PostgreSQL at {}: {}. {}", where, d.summary(), d.meaning()));
+}
 
 std::uint32_t ClientImpl::statement_set(const std::string& key) {
   std::lock_guard lk(sets_mu_);

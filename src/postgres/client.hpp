@@ -31,7 +31,14 @@ struct Connection {
 
   PGconn* pg;
   std::vector<std::uint32_t> sets;
+  // The server warned that it cancelled a commit's wait for synchronous replication: that commit
+  // is on the primary only. Set by the notice receiver; cleared before each request.
+  bool sync_cancelled = false;
 };
+
+// The answer to a commit whose wait for a synchronous standby was cut short (pg_cancel_backend,
+// a server shutting down): durability_error, since the write holds on the primary alone.
+[[noreturn]] void throw_sync_cancelled(std::string_view what);
 
 // Pool<Traits> over libpq sessions (src/common/pool.hpp).
 struct ConnectionTraits {
@@ -42,6 +49,7 @@ struct ConnectionTraits {
 
   std::string conninfo;
   millis statement_timeout;
+  bool transaction_pooler = false;  // no session setting: the next transaction may run elsewhere
 };
 
 using SessionPool = Pool<ConnectionTraits>;
@@ -66,6 +74,10 @@ class ClientImpl {
   std::uint32_t statement_set(const std::string& key);
 
  private:
+  // Reads the server's replication settings once (durability.cpp): refuses a standby given as the
+  // only host, and warns the observer when a failover could lose acknowledged completions.
+  void check_durability();
+
   PostgresOptions opt_;
   SessionPool pool_;
   std::mutex sets_mu_;
@@ -81,6 +93,18 @@ struct ResultAccess {
   static PostgresResult wrap(PGresult* r) noexcept;
   static PGresult* native(const PostgresResult& r) noexcept { return static_cast<PGresult*>(r.r_); }
 };
+
+// durability.cpp: the settings that decide what survives a failover, and what they mean.
+struct Durability {
+  std::string synchronous_commit, standby_names;
+  bool in_recovery = false;
+  int sync_standbys = 0, standbys = 0;
+  // synchronous_standby_names set and synchronous_commit on, remote_write or remote_apply.
+  [[nodiscard]] bool synchronous() const;
+  [[nodiscard]] std::string summary() const;  // the settings, one line
+  [[nodiscard]] std::string meaning() const;  // one sentence on what they mean for the guarantee
+};
+Durability read_durability(PGconn* c);
 
 // conninfo.cpp: parses a conninfo string or URI as libpq will (PQconninfoParse) and checks the
 // values libpq only checks when connecting; invalid_options_error names the problem and the fix.

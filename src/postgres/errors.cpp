@@ -82,6 +82,12 @@ void throw_result(std::string_view what, const PGresult* r, PGconn* c, const Mis
                                        "every node in conninfo with target_session_attrs=read-write and retry",
                                        msg),
                            code, true);
+  // One of our statements missing on a session that prepared it: a transaction-mode pooler ran
+  // this transaction on another server session.
+  if (code == "26000" && std::string_view(m).find("\"idem") != std::string_view::npos)
+    throw invalid_options_error(fmt::format("{}: the conninfo reaches a transaction-mode pooler (PgBouncer "
+                                            "pool_mode=transaction); set PostgresOptions::transaction_pooler",
+                                            msg));
   const std::string cls = code.substr(0, 2);
   if (cls == "08" || code == "57P01" || code == "57P02" || code == "57P03" || code == "25P03")
     throw connection_error(msg, code, true);

@@ -9,17 +9,11 @@
 
 namespace idem::detail {
 
-namespace {
-
-void prepare_one(PGconn* c, const std::string& name, const std::string& sql, int nparams) {
-  PostgresResult r = ResultAccess::wrap(PQprepare(c, name.c_str(), sql.c_str(), nparams, nullptr));
-  if (!result_ok(ResultAccess::native(r)))
-    throw_result(fmt::format("prepare {}", name), ResultAccess::native(r), c, store_missing);
-}
-
-}  // namespace
-
-void StoreImpl::prepare_all(PGconn* c) const {
+void StoreImpl::define_all() {
+  const auto define = [this](Stmt st, std::string text, int n) {
+    texts[st] = std::move(text);
+    nparams[st] = n;
+  };
   const std::string fn = qs + ".";
   const std::string clock_ms = "floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint AS ms";
   const std::string now = "(SELECT " + clock_ms + ") c";
@@ -42,7 +36,7 @@ void StoreImpl::prepare_all(PGconn* c) const {
   // The claim of a transaction: cfg sets the claim's lock_timeout before the INSERT can wait on a
   // concurrent claim; fin puts the caller's back (claiming transactions only: $8 <> '') and sets
   // the idle timeout.
-  prepare_one(c, names[kAcquire],
+  define(kAcquire,
               "WITH cfg AS MATERIALIZED (SELECT current_setting('lock_timeout') AS saved, "
               "set_config('lock_timeout', $7, true) AS lt, " +
                   how + ", " + clock_ms + "), " + insert_new +
@@ -73,11 +67,11 @@ void StoreImpl::prepare_all(PGconn* c) const {
            "($1, $2, $3, $4, $5, $6, cfg.how, $8, NULL) AS d FROM cfg WHERE NOT EXISTS (SELECT 1 FROM ins)" + not_mine +
            " OFFSET 0) s";
   };
-  prepare_one(c, names[kAcquireLease], lease_acquire("", ""), 9);
+  define(kAcquireLease, lease_acquire("", ""), 9);
   // The same acquire sent again after a lost reply: a live in_progress row with our token is the
   // acquisition that reply carried (tokens are per acquire), answered with its fence and nothing
   // written; otherwise the acquire as above (the INSERT of a new key cannot conflict with mine).
-  prepare_one(c, names[kAcquireAgain],
+  define(kAcquireAgain,
               lease_acquire("mine AS MATERIALIZED (SELECT t.fence, t.attempts FROM " + qt + " t, " + now +
                                 " WHERE t.key = $1 AND t.state = 1 AND t.token = $5 AND t.lease_until > c.ms AND "
                                 "t.expires_at > c.ms), ",
@@ -122,11 +116,11 @@ void StoreImpl::prepare_all(PGconn* c) const {
            "(j.key, j.fp, j.lease, j.retention, j.token, j.owner, j.how, '', NULL) AS d FROM j WHERE NOT (j.got" +
            mine_got + ") OFFSET 0) s";
   };
-  prepare_one(c, names[kAcquireMany], many_acquire("", "", "", "", "1::bigint", "1"), 8);
+  define(kAcquireMany, many_acquire("", "", "", "", "1::bigint", "1"), 8);
   // Sent again after a lost reply: a key whose live in_progress row carries its token is the
   // acquisition that reply carried, answered with that row's fence and attempts (as kAcquireAgain).
   // `m` reads the statement's snapshot, which does not see the INSERT's rows.
-  prepare_one(c, names[kAcquireManyAgain],
+  define(kAcquireManyAgain,
               many_acquire("m AS MATERIALIZED (SELECT req.key, t.fence, t.attempts FROM req JOIN " + qt +
                                " t ON t.key = req.key, cfg WHERE t.state = 1 AND t.token = req.token AND "
                                "t.lease_until > cfg.ms AND t.expires_at > cfg.ms), ",
@@ -138,9 +132,9 @@ void StoreImpl::prepare_all(PGconn* c) const {
   // Again variant answers one row when it writes now or finds that write already made.
   const auto holder_write = [&](Stmt st, Stmt again, const std::string& set, const std::string& done, int n) {
     const std::string update = "UPDATE " + qt + " t SET " + set + " FROM " + now + " WHERE " + holder;
-    prepare_one(c, names[st], update, n);
+    define(st, update, n);
     if (again == st) return;
-    prepare_one(c, names[again],
+    define(again,
                 "WITH u AS (" + update + " RETURNING 1) SELECT 1 FROM u UNION ALL SELECT 1 FROM " + qt + " t, " +
                     now + " WHERE t.key = $1 AND t.fence = $2 AND t.token = $3 AND " + done +
                     " AND t.expires_at > c.ms AND NOT EXISTS (SELECT 1 FROM u)",
@@ -160,19 +154,19 @@ void StoreImpl::prepare_all(PGconn* c) const {
                "lease_until = c.ms + $4, expires_at = greatest(t.expires_at, c.ms + $4), "
                "purge_after = (greatest(t.expires_at, c.ms + $4) + 999) / 1000 * 1000",
                "", 4);
-  prepare_one(c, names[kInspect],
+  define(kInspect,
               "SELECT state, fence, token, owner, lease_until, retry_at, attempts, permanent, fingerprint, result, "
               "error FROM " +
                   qt + " t, " + now + " WHERE t.key = $1 AND t.expires_at > c.ms",
               1);
-  prepare_one(c, names[kPurge],
+  define(kPurge,
               "DELETE FROM " + qt + " d WHERE d.key IN (SELECT t.key FROM " + qt + " t, " + now +
                   " WHERE t.purge_after <= c.ms LIMIT $1 FOR UPDATE OF t SKIP LOCKED)",
               1);
   // tx_complete travels in one pipeline with COMMIT, so it must fail, not match nothing, when the
   // claim is gone: 1 / count(*) raises division_by_zero (22012) on zero rows, and COMMIT then
   // rolls back instead of committing business writes without their record.
-  prepare_one(c, names[kTxComplete],
+  define(kTxComplete,
               "WITH u AS (UPDATE " + qt +
                   " t SET state = 2, result = $4, lease_until = 0, expires_at = c.ms + $5, "
                   "purge_after = (c.ms + $5 + 999) / 1000 * 1000 FROM " +
@@ -180,7 +174,7 @@ void StoreImpl::prepare_all(PGconn* c) const {
                   " WHERE t.key = $1 AND t.state = 1 AND t.fence = $2 AND t.token = $3 RETURNING 1) "
                   "SELECT 1 / count(*)::int FROM u",
               5);
-  prepare_one(c, names[kRecordFailure],
+  define(kRecordFailure,
               "SELECT o_written FROM " + fn + quote_ident(opt.table + "_record_failure") +
                   "($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
               11);
@@ -189,8 +183,35 @@ void StoreImpl::prepare_all(PGconn* c) const {
 void StoreImpl::prepare(Connection& c) {
   if (c.prepared(statement_set)) return;
   if (opt.auto_migrate) ensure_migrated(c.pg);
-  prepare_all(c.pg);
+  // Behind a transaction-mode pooler the next transaction may run on another server session,
+  // where nothing of ours is prepared: every statement is then sent unnamed, with its text.
+  if (!client.options().transaction_pooler) {
+    for (std::size_t st = 0; st < kStatementCount; ++st) {
+      PostgresResult r = ResultAccess::wrap(PQprepare(c.pg, names[st].c_str(), texts[st].c_str(), nparams[st], nullptr));
+      if (!result_ok(ResultAccess::native(r))) {
+        const std::string code = sqlstate_of(ResultAccess::native(r));
+        if (code == "42P05")  // ours, on a session that never prepared it: a pooler hands sessions round
+          throw invalid_options_error(fmt::format(
+              "idem: prepared statement {} already exists on a new session: the conninfo reaches a "
+              "transaction-mode pooler (PgBouncer pool_mode=transaction); set PostgresOptions::transaction_pooler",
+              names[st]));
+        throw_result(fmt::format("prepare {}", names[st]), ResultAccess::native(r), c.pg, store_missing);
+      }
+    }
+  }
   c.sets.push_back(statement_set);
+}
+
+int StoreImpl::send_statement(PGconn* c, Stmt st, const Params& p) const {
+  if (client.options().transaction_pooler)
+    return PQsendQueryParams(c, texts[st].c_str(), p.size(), nullptr, p.values(), p.lengths(), p.formats(), 1);
+  return PQsendQueryPrepared(c, names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1);
+}
+
+PGresult* StoreImpl::exec_statement(PGconn* c, Stmt st, const Params& p) const {
+  if (client.options().transaction_pooler)
+    return PQexecParams(c, texts[st].c_str(), p.size(), nullptr, p.values(), p.lengths(), p.formats(), 1);
+  return PQexecPrepared(c, names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1);
 }
 
 }  // namespace idem::detail

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
+#include "idem/detail/warning_relay.hpp"
 #include "idem/detail/validate.hpp"
 #include "store_impl.hpp"
 
@@ -185,6 +186,7 @@ StoreImpl::StoreImpl(std::shared_ptr<PostgresClient> c, PostgresStoreOptions o)
       statement_set(client.statement_set(qt)) {
   for (std::size_t i = 0; i < names.size(); ++i)
     names[i] = "idem" + std::to_string(statement_set) + "_" + statement_suffixes[i];
+  define_all();
 }
 
 Params StoreImpl::completion(std::string_view key, const Holder& h, std::string_view value, millis retention) const {
@@ -271,6 +273,10 @@ PostgresStore::PostgresStore(PostgresStore&&) noexcept = default;
 PostgresStore& PostgresStore::operator=(PostgresStore&&) noexcept = default;
 
 bool PostgresStore::transactional() const noexcept { return impl_->opt.mode == PostgresMode::transactional; }
+
+void PostgresStore::attach_observer(const std::shared_ptr<Observer>& o) const {
+  detail::attach_to_relay(impl_->client.options().observer, o);
+}
 const PostgresStoreOptions& PostgresStore::options() const noexcept { return impl_->opt; }
 StoreLimits PostgresStore::limits() const noexcept { return {max_key_bytes, impl_->opt.max_result_bytes}; }
 const std::shared_ptr<PostgresClient>& PostgresStore::client() const noexcept { return impl_->client_ptr; }

@@ -126,6 +126,7 @@ struct Reply {
   PostgresResult result;
   Fate fate = Fate::answered;
   std::string why;  // unsent / in_doubt: libpq's message
+  bool sync_cut = false;  // answered after the server cancelled its commit's wait for a synchronous standby
 };
 
 // One request of exchange_many: prepared statement `st`, and `again`, what is sent instead on a
@@ -178,6 +179,10 @@ class StoreImpl {
   // statements.cpp: prepares this store's statements on a pooled session (migrating the schema
   // first when auto_migrate). On failure some may be prepared: the caller must drop the session.
   void prepare(Connection& c);
+  // Sends (PQsendQuery*) or runs (PQexec*) statement `st` with binary results: by name, or by its
+  // text behind a transaction-mode pooler (PostgresOptions::transaction_pooler).
+  int send_statement(PGconn* c, Stmt st, const Params& p) const;
+  PGresult* exec_statement(PGconn* c, Stmt st, const Params& p) const;
   // call.cpp: a lease-mode call. Sends prepared statement `st` on a pooled session; if the
   // session dies under it, sends `again` once on another session. `writes`: the request changes
   // the record, so a reply lost after sending that cannot be settled is outcome_unknown_error.
@@ -204,6 +209,13 @@ class StoreImpl {
   void acquire_distinct(std::span<const AcquireRequest> requests, const std::vector<std::size_t>& idx,
                         std::vector<AcquireResult>& out);
 
+  // settle.cpp: the outcome of a transactional COMMIT whose answer was lost (`why`, `code`), read
+  // on fresh sessions within settle_wait: ok when it committed; connection_error (retryable) when
+  // it did not; outcome_unknown_error (or durability_error while a synchronous standby is awaited)
+  // when that cannot be told in time.
+  WriteStatus settle_commit(std::string_view key, const Holder& h, const std::string& xid, const std::string& why,
+                            const std::string& code);
+
   // transaction.cpp
   PostgresStore::Transaction begin(std::string_view key, const AcquireParams& ap);
   // One claim; nullopt (unless `last`) when its session died under it.
@@ -225,10 +237,12 @@ class StoreImpl {
   std::string qs, qt, begin_sql, lock_timeout_text;
   std::uint32_t statement_set;
   std::array<std::string, kStatementCount> names;  // on the server, unique per statement set
+  std::array<std::string, kStatementCount> texts;  // their SQL (define_all)
+  std::array<int, kStatementCount> nparams{};
 
  private:
   void migrate_on(PGconn* c);
-  void prepare_all(PGconn* c) const;
+  void define_all();  // statements.cpp: fills texts and nparams
 
   std::mutex migrate_mu_;
   bool migrated_ = false;

@@ -57,6 +57,7 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
   auto conn = client.pool().checkout();
   PGconn* c = conn->pg;
   bool healthy = true;
+  PostgresResult res_xid;
   try {
     prepare(*conn);
     Params p = acquire_params(key, ap, owner, true);
@@ -64,9 +65,13 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
     if (PQenterPipelineMode(c) != 1) throw_result("begin (pipeline)", nullptr, c, store_missing);
     const bool sent =
         PQsendQueryParams(c, begin_sql.c_str(), 0, nullptr, nullptr, nullptr, nullptr, 0) == 1 &&
-        PQsendQueryPrepared(c, names[kAcquire].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1) == 1 &&
+        send_statement(c, kAcquire, p) == 1 &&
+        PQsendQueryParams(c, "SELECT pg_current_xact_id_if_assigned()::text", 0, nullptr, nullptr, nullptr, nullptr,
+                          0) == 1 &&
         PQpipelineSync(c) == 1;
-    std::array<PostgresResult, 2> res;
+    // The claim's transaction id (assigned by its write) rides along: a COMMIT whose answer is
+    // lost is settled by asking the server what became of it (settle.cpp).
+    std::array<PostgresResult, 3> res;
     const bool complete = sent && read_pipeline(c, res.data(), res.size());
     PQexitPipelineMode(c);
     const PGresult* r0 = ResultAccess::native(res[0]);
@@ -93,6 +98,7 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
       throw_result("acquire", r1, c, store_missing);
     }
     tx.decision_ = decode_acquire(r1, ap.token);
+    res_xid = std::move(res[2]);
   } catch (...) {
     // A session whose statements failed to prepare may hold some of them: never reuse it.
     const bool keep = healthy && conn->prepared(statement_set);
@@ -103,6 +109,8 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
     client.pool().checkin(std::move(conn), true);  // rolls back
     return tx;
   }
+  if (const PGresult* x = ResultAccess::native(res_xid); result_ok(x) && PQntuples(x) == 1 && !PQgetisnull(x, 0, 0))
+    tx.xid_ = PQgetvalue(x, 0, 0);
   tx.conn_ = std::move(conn);
   tx.key_ = std::string(key);
   tx.fingerprint_ = std::string(ap.fingerprint);
@@ -129,6 +137,7 @@ PostgresStore::Transaction& PostgresStore::Transaction::operator=(Transaction&& 
     fingerprint_ = std::move(o.fingerprint_);
     owner_ = std::move(o.owner_);
     outbox_sent_ = o.outbox_sent_;
+    xid_ = std::move(o.xid_);
   }
   return *this;
 }
@@ -161,9 +170,11 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
   p.bin(result).num(retention.count());
   std::array<PostgresResult, 2> res;
   bool sent = false, complete = false;
+  conn_->sync_cancelled = false;
+  // No statement_timeout is set for this: the server stops that timer before it commits, so it
+  // can never cut the wait for a synchronous standby (a cut wait would still have committed).
   if (PQenterPipelineMode(c) == 1) {
-    sent = PQsendQueryPrepared(c, store_->names[detail::kTxComplete].c_str(), p.size(), p.values(), p.lengths(),
-                               p.formats(), 1) == 1 &&
+    sent = store_->send_statement(c, detail::kTxComplete, p) == 1 &&
            PQsendQueryParams(c, "COMMIT", 0, nullptr, nullptr, nullptr, nullptr, 0) == 1 && PQpipelineSync(c) == 1;
     complete = sent && detail::read_pipeline(c, res.data(), res.size());
     PQexitPipelineMode(c);
@@ -172,7 +183,9 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
   const PGresult* r1 = ResultAccess::native(res[1]);
   const bool ok0 = detail::result_ok(r0), ok1 = detail::result_ok(r1);
   if (complete && ok0 && ok1 && std::strcmp(PQcmdStatus(ResultAccess::native(res[1])), "COMMIT") == 0) {
+    const bool sync_cut = conn_->sync_cancelled;
     release(true);
+    if (sync_cut) detail::throw_sync_cancelled("commit");  // committed here, maybe on no standby
     return WriteStatus::ok;
   }
   const std::string code0 = detail::sqlstate_of(r0), code1 = detail::sqlstate_of(r1);
@@ -202,14 +215,13 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
     throw store_error("idem: postgres COMMIT rolled the transaction back", "40000", true);
   }
   std::string m = detail::first_line(r1 && PQresultErrorMessage(r1)[0] ? PQresultErrorMessage(r1) : PQerrorMessage(c));
+  const bool sync_cut = conn_->sync_cancelled;
   release(false);
   if (!sent && r0 == nullptr && healthy)
     throw connection_error(fmt::format("idem: postgres commit could not be sent: {}", m), "08006", true);
-  throw outcome_unknown_error(fmt::format("idem: the connection to PostgreSQL was lost during COMMIT ({}); the "
-                                          "transaction may or may not have committed: check the record (inspect) "
-                                          "before redelivering",
-                                          m),
-                              code1.empty() ? "08006" : code1);
+  // The answer is lost, not the transaction: read what became of it rather than guess.
+  if (sync_cut) detail::throw_sync_cancelled("commit");
+  return store_->settle_commit(key_, decision_.holder, xid_, m, code1.empty() ? "08006" : code1);
 }
 
 WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
@@ -228,8 +240,8 @@ WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
   p.bin(key_).bin(fingerprint_).text(owner_).num(detail::as_i64(decision_.holder.fence));
   p.num(detail::as_i64(decision_.holder.token)).num(decision_.attempts).bin(f.error).boolean(f.permanent);
   p.num(std::max<std::int64_t>(0, f.backoff.count())).num(f.retention.count()).text(store_->lock_timeout_text);
-  PostgresResult r = ResultAccess::wrap(PQexecPrepared(c, store_->names[detail::kRecordFailure].c_str(), p.size(),
-                                                       p.values(), p.lengths(), p.formats(), 1));
+  conn_->sync_cancelled = false;
+  PostgresResult r = ResultAccess::wrap(store_->exec_statement(c, detail::kRecordFailure, p));
   if (!detail::result_ok(ResultAccess::native(r))) {
     const bool busy = detail::sqlstate_of(ResultAccess::native(r)) == "55P03";
     release(PQstatus(c) == CONNECTION_OK);
@@ -237,7 +249,9 @@ WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
     detail::throw_result("record failure", ResultAccess::native(r), nullptr, detail::store_missing);
   }
   const bool written = r.rows() == 1 && detail::bool_of(ResultAccess::native(r), 0, 0);
+  const bool sync_cut = conn_->sync_cancelled;
   release(true);
+  if (sync_cut) detail::throw_sync_cancelled("record failure");
   return written ? WriteStatus::ok : WriteStatus::lease_lost;
 }
 

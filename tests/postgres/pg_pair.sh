@@ -10,12 +10,14 @@
 #   pg_pair.sh attach STATE_DIR              a new standby of the primary, made with pg_basebackup -R, in
 #                                            the slot (and on the port) of the killed node; waits until it
 #                                            streams (and, in sync mode, is the synchronous standby)
+#   pg_pair.sh stop-standby STATE_DIR        stops the standby (SIGINT to its postmaster, by PID): in sync mode
+#                                            commits then wait for a standby that is not there
 #   pg_pair.sh stop STATE_DIR                stops every node by the PID in its postmaster.pid, removes the data
 # sync: synchronous_standby_names = '*' and synchronous_commit = on, so a commit is acknowledged only
 # once a standby has flushed it. A server that cannot start is an error (exit 1), never a skip.
 set -eu
 
-usage="usage: pg_pair.sh start|kill-primary|promote|attach|stop STATE_DIR [sync|async]"
+usage="usage: pg_pair.sh start|kill-primary|promote|attach|stop-standby|stop STATE_DIR [sync|async]"
 cmd=${1:?$usage}
 state=${2:?$usage}
 
@@ -216,6 +218,19 @@ attach)
   done
   rm -f "$state/dead"
   wait_streaming
+  ;;
+stop-standby)
+  s=$(other "$(cat "$state/primary")")
+  pids=$(node_pids "$s")
+  [ -n "$pids" ] || die "the standby (slot $s) is not running"
+  kill -INT "$(echo "$pids" | head -n 1)"
+  i=0
+  # shellcheck disable=SC2086
+  until gone $pids; do
+    i=$((i + 1))
+    [ $i -ge 100 ] && die "the standby's processes did not exit in 10 s: $pids"
+    sleep 0.1
+  done
   ;;
 stop)
   [ -f "$state/base" ] || exit 0

@@ -3,7 +3,9 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <memory>
 #include <string>
+#include <string_view>
 
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
@@ -134,4 +136,26 @@ TEST_CASE("postgres config: a version-1 table is upgraded to version 2 in place"
   // The older store's prepared statements call the replaced function too.
   CHECK(old_store.acquire(gone, ap(6)).result_unavailable);
   raw.exec("DROP SCHEMA " + schema + " CASCADE");
+}
+
+TEST_CASE("postgres config: a server whose commits no standby confirms is reported when the store is built",
+          "[postgres][config]") {
+  struct Warnings : idem::Observer {
+    std::string all;
+    void on_warning(std::string_view m) noexcept override { all += std::string(m) + "\n"; }
+  };
+  auto w = std::make_shared<Warnings>();
+  auto o = pgtest::options();
+  o.client.observer = w;
+  idem::PostgresStore s(o.client, o.store);
+  INFO(w->all);
+  // The fixture: no standby, synchronous_commit off (pg_cluster.sh starts it fast).
+  CHECK_THAT(w->all, Catch::Contains("synchronous_standby_names = '', pg_is_in_recovery() = false"));
+  CHECK_THAT(w->all, Catch::Contains("in lease mode such a key runs its handler again"));
+  CHECK_THAT(w->all, Catch::Contains("in transactional mode the handler's writes are lost with their record"));
+  // A server that cannot be reached now is no error at construction: the first call says so.
+  auto down = pgtest::options();
+  down.client.conninfo = "host=127.0.0.1 port=1 user=postgres dbname=postgres";
+  idem::PostgresStore unreachable(down.client, down.store);
+  CHECK_THROWS_AS(unreachable.acquire(pgtest::key("x"), pgtest::ap(1)), idem::connection_error);
 }

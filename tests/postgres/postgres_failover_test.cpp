@@ -23,9 +23,8 @@
 
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
+#include "pg_pair.hpp"
 #include "pg_support.hpp"
-
-extern char** environ;
 
 using namespace std::chrono_literals;
 using idem::AcquireStatus;
@@ -33,75 +32,11 @@ using idem::Status;
 using idem::WriteStatus;
 using pgtest::ap;
 using pgtest::key;
-using Clock = std::chrono::steady_clock;
+using pgtest::Clock;
+using pgtest::Pair;
+using pgtest::seconds_since;
 
 namespace {
-
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-// pg_pair.sh with these arguments, its exit status (-1000 when it overran `limit` and was killed).
-int run_pair(const std::vector<std::string>& args, std::chrono::seconds limit = 90s) {
-  std::vector<std::string> a{"/bin/sh", IDEM_PG_PAIR_SCRIPT};
-  a.insert(a.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : a) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, argv.data(), environ) != 0) return -1;
-  const auto deadline = Clock::now() + limit;
-  int st = 0;
-  while (::waitpid(pid, &st, WNOHANG) != pid) {
-    if (Clock::now() >= deadline) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &st, 0);
-      return -1000;
-    }
-    std::this_thread::sleep_for(10ms);
-  }
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -WTERMSIG(st);
-}
-
-// A primary and its standby of this test case's own, stopped (by PID) when the case ends.
-class Pair {
- public:
-  explicit Pair(const char* mode) : state_(std::string(IDEM_PG_PAIR_STATE) + "-" + pgtest::random_hex(6)) {
-    const auto t0 = Clock::now();
-    const int rc = run_pair({"start", state_, mode});
-    if (rc != 0) {
-      run_pair({"stop", state_});
-      FAIL("pg_pair.sh start " << mode << " failed (" << rc << "): a server that cannot start is a failure");
-    }
-    std::printf("pair (%s) started in %.2f s\n", mode, seconds_since(t0));
-  }
-  ~Pair() { run_pair({"stop", state_}); }
-  Pair(const Pair&) = delete;
-  Pair& operator=(const Pair&) = delete;
-
-  // "conninfo": both slots, target_session_attrs=read-write; "a.conninfo" / "b.conninfo": one slot.
-  [[nodiscard]] std::string conninfo(const char* which = "conninfo") const {
-    std::ifstream in(state_ + "/" + which);
-    std::string line;
-    std::getline(in, line);
-    REQUIRE_FALSE(line.empty());
-    return line;
-  }
-  // "primary" (the slot, a or b), "a.port", "b.port".
-  [[nodiscard]] std::string read(const char* what) const {
-    std::ifstream in(state_ + "/" + what);
-    std::string s;
-    std::getline(in, s);
-    return s;
-  }
-  // kill-primary, promote or attach; the seconds it took.
-  double step(const char* cmd) {
-    const auto t0 = Clock::now();
-    REQUIRE(run_pair({cmd, state_}) == 0);
-    return seconds_since(t0);
-  }
-
- private:
-  std::string state_;
-};
 
 // The stores of these tests on `conninfo`: a small pool, shared by the writers and the checks.
 pgtest::Config config(const std::string& conninfo, idem::PostgresMode mode = idem::PostgresMode::lease) {
@@ -286,11 +221,18 @@ TEST_CASE("postgres failover: a session on a read-only server never decides a cl
       REQUIRE(Clock::now() < deadline);
       std::this_thread::sleep_for(20ms);
     }
-    auto so = config(pair.conninfo("b.conninfo"));
+    // Named alone, it is refused when the store is built; listed first with
+    // target_session_attrs=any, every session libpq opens there is refused.
+    auto alone = config(pair.conninfo("b.conninfo"));
+    const auto bad = pgtest::capture<idem::invalid_options_error>([&] { idem::PostgresStore s(alone.client, alone.store); });
+    CHECK_THAT(bad.what(), Catch::Contains("is a standby"));
+    const std::string any = "host=127.0.0.1,127.0.0.1 port=" + pair.read("b.port") + "," + pair.read("a.port") +
+                            " user=postgres dbname=postgres target_session_attrs=any";
+    auto so = config(any);
     idem::PostgresStore on_standby(so.client, so.store);
     CHECK(refused([&] { return on_standby.acquire(k, ap(2)); }) == "25006");  // not duplicate
     CHECK(refused([&] { return on_standby.acquire(key("new"), ap(3)); }) == "25006");
-    auto to = config(pair.conninfo("b.conninfo"), idem::PostgresMode::transactional);
+    auto to = config(any, idem::PostgresMode::transactional);
     idem::PostgresStore tx_on_standby(to.client, to.store);
     CHECK(refused([&] { return tx_on_standby.begin(key("new"), ap(4)); }) == "25006");
     // Listed first with target_session_attrs=read-write, libpq passes it by for the primary.

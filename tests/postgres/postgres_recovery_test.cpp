@@ -5,7 +5,9 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cstdio>
 #include <string>
+#include <thread>
 
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
@@ -24,15 +26,17 @@ namespace {
 // A lease-mode store whose one session goes through a proxy, already set up (migrated, its
 // statements prepared), so the next request on it is the one a test means to cut.
 struct Proxied {
-  explicit Proxied(idem::PostgresMode mode = idem::PostgresMode::lease) : store(make(mode)) {}
+  explicit Proxied(idem::PostgresMode mode = idem::PostgresMode::lease, idem::millis settle_wait = 2s)
+      : store(make(mode, settle_wait)) {}
   idem::test::TcpProxy proxy{pgtest::port()};
   idem::PostgresStore store;
 
-  idem::PostgresStore make(idem::PostgresMode mode) {
+  idem::PostgresStore make(idem::PostgresMode mode, idem::millis settle_wait) {
     auto o = pgtest::options(mode);
     o.client.conninfo = "host=127.0.0.1 port=" + std::to_string(proxy.port()) + " user=postgres dbname=postgres";
     o.client.pool.size = 1;
     o.client.pool.wait = 5s;
+    o.client.settle_wait = settle_wait;
     idem::PostgresStore s(o.client, o.store);
     REQUIRE_FALSE(s.inspect(key("warm-up")).has_value());
     return s;
@@ -167,7 +171,7 @@ TEST_CASE("postgres recovery: a transactional claim whose session dies as it sta
 
 TEST_CASE("postgres recovery: a lost reply that cannot be asked again is outcome_unknown_error",
           "[postgres][fault]") {
-  Proxied p;
+  Proxied p(idem::PostgresMode::lease, 300ms);
   const auto k = key("unknown");
   auto a = p.store.acquire(k, ap(21));
   p.proxy.refuse(true);  // the second session cannot be opened
@@ -194,4 +198,59 @@ TEST_CASE("postgres recovery: a lost reply that cannot be asked again is outcome
   }
   CHECK_FALSE(unknown);
   CHECK(retryable);
+}
+
+TEST_CASE("postgres recovery: a lost reply is asked again until a server answers, within settle_wait",
+          "[postgres][fault]") {
+  Proxied p;
+  const auto k = key("settle-later");
+  auto a = p.store.acquire(k, ap(51));
+  p.proxy.refuse(true);  // no session for a while, as during a failover
+  p.proxy.cut_next_reply();
+  std::thread opener([&] {
+    std::this_thread::sleep_for(400ms);
+    p.proxy.refuse(false);
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(p.store.complete(k, a.holder, "late", 60s) == WriteStatus::ok);
+  const auto waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  opener.join();
+  std::printf("lease-mode complete settled after %.3f s\n", waited);
+  CHECK(waited >= 0.35);
+  CHECK(p.store.inspect(k)->result == "late");
+}
+
+TEST_CASE("postgres recovery: a COMMIT whose answer is lost is settled by reading its transaction",
+          "[postgres][fault][tx]") {
+  Proxied p(idem::PostgresMode::transactional);
+  const auto k = key("tx-settle");
+  auto tx = p.store.begin(k, ap(61));
+  REQUIRE(tx.decision().status == AcquireStatus::acquired);
+  p.proxy.cut_next_reply();  // the answer of tx_complete + COMMIT: the server committed
+  CHECK(tx.commit("settled", 60s) == WriteStatus::ok);
+  CHECK(p.proxy.cuts() == 1);
+  CHECK(p.store.inspect(k)->result == "settled");
+
+  // The same, with no session for a while after the cut (a primary being promoted).
+  const auto k2 = key("tx-settle-later");
+  auto tx2 = p.store.begin(k2, ap(62));
+  p.proxy.plan({{idem::test::TcpProxy::Action::cut, {}}}, true);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(300ms);
+    p.proxy.refuse(false);
+  });
+  CHECK(tx2.commit("later", 60s) == WriteStatus::ok);
+  opener.join();
+  CHECK(p.store.inspect(k2)->result == "later");
+
+  // A commit that never reaches a server it can be read on: outcome_unknown_error after settle_wait.
+  Proxied q(idem::PostgresMode::transactional, 300ms);
+  const auto k3 = key("tx-unknown");
+  auto tx3 = q.store.begin(k3, ap(63));
+  q.proxy.plan({{idem::test::TcpProxy::Action::cut, {}}}, true);
+  auto e = pgtest::capture<idem::outcome_unknown_error>([&] { (void)tx3.commit("r", 60s); });
+  CHECK_FALSE(e.retryable());
+  CHECK(std::string(e.what()).find("settle_wait") != std::string::npos);
+  q.proxy.refuse(false);
+  CHECK(q.store.inspect(k3)->result == "r");  // it had committed: inspect tells
 }

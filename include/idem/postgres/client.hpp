@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "idem/core/observer.hpp"
 #include "idem/core/pool_options.hpp"
 #include "idem/core/record.hpp"
 
@@ -19,6 +20,15 @@ struct PostgresOptions {
   PoolOptions pool{.size = 8, .wait = millis{10'000}};
   /// Session statement_timeout of pooled connections (store calls and handler writes); 0 = none.
   millis statement_timeout{30'000};
+  /// How long a write whose answer was lost keeps asking for its outcome (on whichever primary the
+  /// conninfo reaches) before outcome_unknown_error; 0 = ask once.
+  millis settle_wait{10'000};
+  /// The conninfo reaches a transaction-mode pooler (PgBouncer pool_mode=transaction): statements
+  /// are sent unnamed and no session setting is made (statement_timeout is then the role's).
+  bool transaction_pooler = false;
+  /// Hears the client's advisories (replication settings that let a failover lose completions);
+  /// a guard's own observer hears them too (PostgresStore::attach_observer).
+  std::shared_ptr<Observer> observer;
 };
 
 namespace detail {
@@ -39,7 +49,8 @@ struct ClientAccess;
  */
 class PostgresClient {
  public:
-  /// Validates the options (invalid_options_error); opens sessions on first use.
+  /// Validates the options and refuses a standby as the only host (invalid_options_error); warns
+  /// the observer of replication that a failover can lose completions with. Opens sessions on first use.
   explicit PostgresClient(PostgresOptions options = {});
   ~PostgresClient();                                          ///< Closes the pooled sessions.
   PostgresClient(const PostgresClient&) = delete;             ///< Shared by pointer, never copied.

@@ -83,11 +83,11 @@ struct Connection;
 
 /**
  * The durable StateStore on PostgreSQL. Thread-safe: calls share the sessions of its
- * PostgresClient. Connects lazily (the constructor only validates options) and creates its
- * versioned schema on first use unless auto_migrate is false. Every transition is one round trip
- * on the server clock. In lease mode, a call whose session dies under it is sent once more on
- * another session as the same holder (a lost reply is settled, never re-run); if that cannot be
- * done after the request may have been executed, outcome_unknown_error.
+ * PostgresClient (built with one look at the server, PostgresClient) and creates its versioned
+ * schema on first use unless auto_migrate is false. Every transition is one round trip on the
+ * server clock. In lease mode, a call whose session dies under it is sent again on another
+ * session as the same holder until it is answered or PostgresOptions::settle_wait has passed (a
+ * lost reply is settled, never re-run); then, if the request may have run, outcome_unknown_error.
  *
  * In transactional mode the guard claims the key with begin(), runs the handler with the open
  * transaction in ctx.tx (write through ctx.tx->exec), and commits the completion together with
@@ -125,7 +125,8 @@ class PostgresStore {
     /// The server process id of the transaction's session (pg_backend_pid()); 0 when not open.
     [[nodiscard]] int backend_pid() const noexcept;
     /// Records the result and commits it with the handler's writes; lease_lost if the claim was
-    /// ended first (nothing committed). Throws outcome_unknown_error if the commit's fate is unknown.
+    /// ended first (nothing committed). A lost answer is settled on a fresh session (outcome_unknown_error
+    /// if not within settle_wait); a cut wait for a synchronous standby is durability_error.
     WriteStatus commit(std::string_view result, millis retention);
     /// Rolls back the handler's writes; unless params.release, records the failure afresh.
     WriteStatus fail(const FailParams& params);
@@ -155,6 +156,7 @@ class PostgresStore {
     std::unique_ptr<detail::Connection> conn_;
     AcquireResult decision_;
     std::string key_, fingerprint_, owner_;
+    std::string xid_;                // the transaction's id (pg_current_xact_id), to settle a lost COMMIT
     std::uint32_t outbox_sent_ = 0;  // messages sent through outbox(): the next one's index
   };
 
@@ -229,6 +231,8 @@ class PostgresStore {
 
   /// True in transactional mode: the guard then runs handlers inside begin()'s transaction.
   [[nodiscard]] bool transactional() const noexcept;
+  /// Hands the client's advisories (PostgresOptions::observer) to `o` too; a guard attaches its own.
+  void attach_observer(const std::shared_ptr<Observer>& o) const;
   /// The options in force.
   [[nodiscard]] const PostgresStoreOptions& options() const noexcept;
   /// What the store takes: keys up to max_key_bytes, results up to options().max_result_bytes.

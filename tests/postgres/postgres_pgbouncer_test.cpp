@@ -1,0 +1,174 @@
+// PostgresStore behind PgBouncer (pgbouncer.sh: Debian's pgbouncer, an ini of its own, in front of
+// the fixture server, started once per ctest run as a fixture). Session pooling changes nothing: the store contract holds. Transaction
+// pooling hands each transaction to any server session: with PostgresOptions::transaction_pooler
+// the stores send unnamed statements and keep no session state, and the contract holds; without
+// it the first statement that meets another server session is refused with an error that names
+// the option. Built twice (one contract suite per binary): IDEM_PGBOUNCER_MODE is "session" or
+// "transaction".
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <memory>
+#include <string_view>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "contract/contract_suite.hpp"
+#include "idem/postgres/sequence_store.hpp"
+#include "pg_support.hpp"
+
+extern char** environ;
+
+using namespace std::chrono_literals;
+
+namespace {
+
+// A pgbouncer of this process's own, in IDEM_PGBOUNCER_MODE, in front of the fixture server;
+// stopped by PID at exit. One that cannot start fails the test.
+class Bouncer {
+ public:
+  Bouncer() : state_(std::string(IDEM_PG_BOUNCER_STATE) + "-" + IDEM_PGBOUNCER_MODE + "-" + pgtest::random_hex(6)) {
+    if (run({"start", state_, std::to_string(pgtest::port()), IDEM_PGBOUNCER_MODE}) != 0)
+      throw std::runtime_error("pgbouncer.sh start failed: a pooler that cannot start is a failure");
+    std::ifstream in(state_ + "/conninfo");
+    std::getline(in, conninfo_);
+  }
+  ~Bouncer() { run({"stop", state_}); }
+  Bouncer(const Bouncer&) = delete;
+  Bouncer& operator=(const Bouncer&) = delete;
+  [[nodiscard]] const std::string& conninfo() const { return conninfo_; }
+
+ private:
+  static int run(std::vector<std::string> args) {
+    args.insert(args.begin(), {"/bin/sh", IDEM_PG_BOUNCER_SCRIPT});
+    std::vector<char*> argv;
+    for (auto& s : args) argv.push_back(s.data());
+    argv.push_back(nullptr);
+    pid_t pid = -1;
+    if (::posix_spawn(&pid, "/bin/sh", nullptr, nullptr, argv.data(), environ) != 0) return -1;
+    int st = 0;
+    ::waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  }
+  std::string state_, conninfo_;
+};
+
+const std::string& bouncer_conninfo() {
+  static Bouncer b;
+  return b.conninfo();
+}
+
+constexpr bool transaction_pooling = std::string_view(IDEM_PGBOUNCER_MODE) == "transaction";
+
+pgtest::Config behind(idem::PostgresMode m = idem::PostgresMode::lease) {
+  auto o = pgtest::options(m);
+  o.client.conninfo = bouncer_conninfo();
+  o.client.transaction_pooler = transaction_pooling;
+  o.client.pool.size = 8;
+  return o;
+}
+
+struct BouncerFactory : pgtest::ServerFactoryBase {
+  using store_type = idem::PostgresStore;
+  BouncerFactory() : ServerFactoryBase("b" + pgtest::random_hex() + ":"), store_(pgtest::store(behind())) {}
+  store_type& store() { return store_; }
+
+ private:
+  store_type store_;
+};
+
+}  // namespace
+
+// Session pooling is a plain session to the client: the basic case below shows it; the contract
+// runs where it can break, behind transaction pooling.
+#ifdef IDEM_PGBOUNCER_CONTRACT
+IDEM_CONTRACT_SUITE(BouncerFactory, "[postgres][pgbouncer]")
+#endif
+
+TEST_CASE("pgbouncer: acquire, complete, duplicate, and a transactional commit with its write", "[postgres][pgbouncer]") {
+  idem::PostgresStore lease = pgtest::store(behind());
+  const auto k = pgtest::key("basic");
+  auto a = lease.acquire(k, pgtest::ap(1));
+  REQUIRE(a.status == idem::AcquireStatus::acquired);
+  CHECK(lease.complete(k, a.holder, "r", std::chrono::seconds(60)) == idem::WriteStatus::ok);
+  auto d = lease.acquire(k, pgtest::ap(2));
+  CHECK(d.status == idem::AcquireStatus::duplicate);
+  CHECK(d.payload == "r");
+  auto o = behind(idem::PostgresMode::transactional);
+  idem::PostgresStore tx(o.client, o.store);
+  const auto kt = pgtest::key("basic-tx");
+  auto t = tx.begin(kt, pgtest::ap(3));
+  REQUIRE(t.decision().status == idem::AcquireStatus::acquired);
+  CHECK(t.exec("SELECT 1").rows() == 1);
+  CHECK(t.commit("tx", std::chrono::seconds(60)) == idem::WriteStatus::ok);
+  CHECK(tx.acquire(kt, pgtest::ap(4)).status == idem::AcquireStatus::duplicate);
+}
+
+#ifdef IDEM_PGBOUNCER_CONTRACT  // the transaction-mode binary only
+TEST_CASE("pgbouncer transaction mode: transactional mode, the sequence store and concurrent claims work",
+          "[postgres][pgbouncer]") {
+  auto o = behind(idem::PostgresMode::transactional);
+  idem::PostgresStore tx(o.client, o.store);
+  pgtest::Raw raw;
+  const std::string t = "bounced_" + pgtest::random_hex(8);
+  raw.exec("CREATE TABLE " + t + " (k text PRIMARY KEY)");
+  idem::IdempotencyGuard g(tx);
+  std::atomic<int> ran{0};
+  std::vector<std::thread> threads;
+  const auto k = pgtest::key("tx");
+  for (int i = 0; i < 6; ++i)
+    threads.emplace_back([&] {
+      for (int j = 0; j < 5; ++j) {
+        const std::string kj = k + std::to_string(j);
+        // A copy of a key held by another thread answers in_flight: it is delivered again.
+        for (int tries = 0; tries < 200; ++tries) {
+          auto out = g.run(kj, [&](const auto& ctx) {
+            ++ran;
+            ctx.tx->exec("INSERT INTO " + t + " VALUES ($1)", kj);
+            return std::string("ok");
+          });
+          if (out.status != idem::Status::in_flight) break;
+          std::this_thread::sleep_for(5ms);
+        }
+      }
+    });
+  for (auto& th : threads) th.join();
+  // Each of the 5 keys ran once (a second insert of its row would fail), whatever the concurrency.
+  CHECK(raw.scalar("SELECT count(*) FROM " + t) == "5");
+  CHECK(ran.load() == 5);
+  raw.exec("DROP TABLE " + t);
+
+  idem::PostgresSequenceStore seqs(tx, {.table = "bounced_sequences"});
+  const auto e = pgtest::key("entity");
+  CHECK(seqs.advance(e, 5).advanced);
+  CHECK_FALSE(seqs.advance(e, 4).advanced);
+  CHECK(seqs.last_applied(e) == 5u);
+}
+
+TEST_CASE("pgbouncer transaction mode without transaction_pooler is refused with an error that names it",
+          "[postgres][pgbouncer]") {
+  auto o = behind();
+  o.client.transaction_pooler = false;
+  o.store.table = "plain_" + pgtest::random_hex(6);
+  bool refused = false;
+  std::string why;
+  // Two clients one after the other: the second meets the server session the first prepared on.
+  for (int i = 0; i < 4 && !refused; ++i) {
+    idem::PostgresStore s(o.client, o.store);
+    try {
+      for (int j = 0; j < 5; ++j) (void)s.acquire(pgtest::key("p"), pgtest::ap(1));
+    } catch (const idem::invalid_options_error& e) {
+      refused = true;
+      why = e.what();
+    }
+  }
+  INFO(why);
+  CHECK(refused);
+  CHECK_THAT(why, Catch::Contains("transaction_pooler"));
+}
+
+#endif
