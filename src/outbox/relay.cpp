@@ -127,7 +127,8 @@ struct OutboxRelay::Impl {
         // Validates schema, table and conninfo exactly as the store does, and migrates like it.
         store(PostgresOptions{.conninfo = opt.postgres.conninfo,
                               .pool = {.size = 1},
-                              .statement_timeout = opt.postgres.statement_timeout},
+                              .statement_timeout = opt.postgres.statement_timeout,
+                              .transaction_pooler = opt.postgres.transaction_pooler},
               PostgresStoreOptions{.schema = opt.schema, .table = opt.table, .outbox = true}),
         qo("\"" + opt.schema + "\".\"" + outbox_table_name(opt.table) + "\""),
         channel(outbox_channel(opt.schema, opt.table)) {
@@ -154,6 +155,9 @@ struct OutboxRelay::Impl {
       throw connection_error(fmt::format("idem: outbox relay cannot connect to PostgreSQL: {}", m), "08001", true);
     }
     PQsetNoticeProcessor(c, [](void*, const char*) {}, nullptr);
+    // Behind a transaction pooler a session setting would stay on a server connection other
+    // clients get next: the claim sets its timeout with SET LOCAL instead (batch()).
+    if (opt.postgres.transaction_pooler) return c;
     const std::string setup = "SET statement_timeout = " + std::to_string(opt.postgres.statement_timeout.count());
     Result r(PQexec(c, setup.c_str()));
     if (!ok(r.get())) {
@@ -214,6 +218,8 @@ struct OutboxRelay::Impl {
     // instead of walking the unsent index in seq order up to the LIMIT. The claim's plan is fixed
     // by hand: index scans only.
     std::string begin = "BEGIN; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_seqscan = off";
+    if (opt.postgres.transaction_pooler)
+      begin += "; SET LOCAL statement_timeout = " + std::to_string(opt.postgres.statement_timeout.count());
     if (opt.claim_idle_timeout.count() > 0)
       begin += "; SET LOCAL idle_in_transaction_session_timeout = " + std::to_string(opt.claim_idle_timeout.count());
     {
@@ -317,8 +323,20 @@ struct OutboxRelay::Impl {
     return total;
   }
 
-  // LISTEN on a session of its own; false when it cannot be set up (then the loop polls).
+  // LISTEN on a session of its own; false when it cannot be set up (then the loop polls). A
+  // transaction pooler hands each transaction any server session, so a LISTEN would hear nothing:
+  // the relay polls, and says so once.
   bool ensure_listen() {
+    if (opt.postgres.transaction_pooler) {
+      if (!pooler_warned) {
+        pooler_warned = true;
+        emit({OutboxRelayEvent::Kind::warning, 0,
+              fmt::format("behind a transaction pooler LISTEN cannot work: the relay polls every {} ms instead of "
+                          "waking on NOTIFY (point it at the server or a session-mode pool to wake at once)",
+                          opt.poll_interval.count())});
+      }
+      return false;
+    }
     if (listen && PQstatus(listen) == CONNECTION_OK) return true;
     drop(listen);
     try {
@@ -397,6 +415,7 @@ struct OutboxRelay::Impl {
       notifications{0};
   std::mutex obs_mu;
   std::function<void(const OutboxRelayEvent&)> observer;
+  bool pooler_warned = false;
   std::mutex thread_mu;
   std::jthread thread;
 };

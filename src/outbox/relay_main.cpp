@@ -32,6 +32,8 @@ const char* const help =
     "  --batch N             rows per batch (default 256)\n"
     "  --poll-ms N           poll interval when no NOTIFY arrives (default 1000)\n"
     "  --retention-ms N      keep sent rows N ms before purging them (default 86400000; 0 = delete at once)\n"
+    "  --transaction-pooler  the conninfo reaches a transaction-mode pooler (PgBouncer): no session\n"
+    "                        settings, unnamed statements, and polling instead of LISTEN\n"
     "  --once                publish what is due, once, and exit (status 0 when that succeeded)\n"
     "  --help                this text\n"
     "  --version             print \"idem-outbox-relay X.Y.Z\" (the idem version) and exit\n"
@@ -72,6 +74,10 @@ int main(int argc, char** argv) try {
       once = true;
       continue;
     }
+    if (k == "--transaction-pooler") {
+      ro.postgres.transaction_pooler = true;
+      continue;
+    }
     if (i + 1 >= argc) usage(fmt::format("missing value of {}", k));
     const std::string v = argv[++i];
     if (k == "--conninfo") {
@@ -105,7 +111,8 @@ int main(int argc, char** argv) try {
 
   idem::OutboxRelay relay{std::make_unique<idem::RedisStreamsPublisher>(po), ro};
   relay.set_observer([](const idem::OutboxRelayEvent& e) {
-    if (e.kind == idem::OutboxRelayEvent::Kind::publish_failed || e.kind == idem::OutboxRelayEvent::Kind::error)
+    if (e.kind == idem::OutboxRelayEvent::Kind::publish_failed || e.kind == idem::OutboxRelayEvent::Kind::error ||
+        e.kind == idem::OutboxRelayEvent::Kind::warning)
       std::fprintf(stderr, "idem-outbox-relay: %s\n", e.error.c_str());
   });
   if (once) {

@@ -18,6 +18,12 @@
 #include <vector>
 
 #include "contract/contract_suite.hpp"
+#ifdef IDEM_PGBOUNCER_RELAY
+#include <mutex>
+#include <span>
+
+#include "idem/outbox/relay.hpp"
+#endif
 #include "idem/postgres/sequence_store.hpp"
 #include "pg_support.hpp"
 
@@ -171,4 +177,67 @@ TEST_CASE("pgbouncer transaction mode without transaction_pooler is refused with
   CHECK_THAT(why, Catch::Contains("transaction_pooler"));
 }
 
+#endif
+
+#ifdef IDEM_PGBOUNCER_RELAY
+// The outbox relay behind transaction pooling: no session settings, and no LISTEN (a pooled
+// server session would never hear the NOTIFY) — it polls, says so once, and publishes every row.
+namespace {
+class Collect final : public idem::OutboxPublisher {
+ public:
+  void publish(std::span<const idem::OutboxMessage> batch) override {
+    std::lock_guard lk(mu_);
+    for (const auto& m : batch) ids_.push_back(m.id);
+  }
+  [[nodiscard]] std::string name() const override { return "collect"; }
+  std::size_t size() {
+    std::lock_guard lk(mu_);
+    return ids_.size();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> ids_;
+};
+}  // namespace
+
+TEST_CASE("pgbouncer transaction mode: the outbox relay polls instead of LISTEN, warns once, publishes every row",
+          "[postgres][pgbouncer][outbox]") {
+  auto o = behind(idem::PostgresMode::transactional);
+  o.store.table = "relayed_" + pgtest::random_hex(6);
+  o.store.outbox = true;
+  idem::PostgresStore tx(o.client, o.store);
+  tx.migrate();
+  idem::IdempotencyGuard g(tx);
+  for (int i = 0; i < 20; ++i)
+    CHECK(g.run(pgtest::key("m") + std::to_string(i), [&](const auto& ctx) {
+             ctx.outbox().send("dest", "k" + std::to_string(i % 3), "p");
+             return 1;
+           }).status == idem::Status::executed);
+  auto* sink = new Collect;
+  idem::OutboxRelayOptions ro;
+  ro.postgres.conninfo = o.client.conninfo;
+  ro.postgres.transaction_pooler = true;
+  ro.schema = o.store.schema;
+  ro.table = o.store.table;
+  ro.poll_interval = idem::millis{100};
+  ro.migrate = false;
+  idem::OutboxRelay relay{std::unique_ptr<idem::OutboxPublisher>(sink), ro};
+  std::mutex mu;
+  std::vector<std::string> warnings, errors;
+  relay.set_observer([&](const idem::OutboxRelayEvent& e) {
+    std::lock_guard lk(mu);
+    if (e.kind == idem::OutboxRelayEvent::Kind::warning) warnings.push_back(e.error);
+    if (e.kind == idem::OutboxRelayEvent::Kind::error) errors.push_back(e.error);
+  });
+  relay.start();
+  for (int i = 0; i < 100 && sink->size() < 20; ++i) std::this_thread::sleep_for(50ms);
+  relay.stop();
+  CHECK(sink->size() == 20);
+  std::lock_guard lk(mu);
+  INFO((errors.empty() ? std::string() : errors.front()));
+  CHECK(errors.empty());
+  REQUIRE(warnings.size() == 1);
+  CHECK_THAT(warnings.front(), Catch::Contains("LISTEN"));
+}
 #endif

@@ -62,6 +62,7 @@ struct OutboxRelayEvent {
     publish_failed,  ///< the publisher refused a batch of `rows`; `error` says why; they back off
     error,           ///< a database error (the loop goes on after poll_interval); `error` says why
     purged,          ///< `rows` sent rows were deleted
+    warning,         ///< something the operator should know (e.g. polling behind a transaction pooler); `error` says what
   };
   Kind kind = Kind::published;  ///< what happened
   std::size_t rows = 0;         ///< rows concerned
