@@ -340,17 +340,7 @@ void NatsConsumer::settle(std::span<const NatsDecision> decisions) {
 
 void NatsConsumer::release() noexcept { impl_->release(); }
 
-NatsDecision NatsConsumer::decide(const std::exception_ptr& e) {
-  NatsDecision d{action_of(e), {}, millis{0}};
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    d.reason = x.what();
-  } catch (...) {
-    d.reason = "a non-standard exception";
-  }
-  return d;
-}
+NatsDecision NatsConsumer::decide(const std::exception_ptr& e) { return {action_of(e), detail::reason_of(e), millis{0}}; }
 
 NatsConsumerStats NatsConsumer::stats() const noexcept {
   NatsConsumerStats s = impl_->stats;

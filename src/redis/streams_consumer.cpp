@@ -197,17 +197,7 @@ void StreamsConsumer::settle(std::span<const StreamEntry> entries, std::span<con
   impl_->stats.acked += acks;
 }
 
-StreamDecision StreamsConsumer::decide(const std::exception_ptr& e) {
-  StreamDecision d{action_of(e), {}};
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    d.reason = x.what();
-  } catch (...) {
-    d.reason = "a non-standard exception";
-  }
-  return d;
-}
+StreamDecision StreamsConsumer::decide(const std::exception_ptr& e) { return {action_of(e), detail::reason_of(e)}; }
 
 StreamsConsumerStats StreamsConsumer::stats() const noexcept { return impl_->stats; }
 const StreamsConsumerOptions& StreamsConsumer::options() const noexcept { return impl_->opt; }

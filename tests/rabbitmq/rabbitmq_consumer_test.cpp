@@ -69,6 +69,18 @@ private:
   amqp_connection_state_t conn_;
 };
 
+// next() until the consumer says its connection is gone (a retryable connection_error), up to 5 s.
+bool loses_connection(idem::RabbitConsumer& c) {
+  for (int i = 0; i < 50; ++i) {
+    try {
+      (void)c.next(100ms);
+    } catch (const idem::connection_error& e) {
+      return e.retryable();
+    }
+  }
+  return false;
+}
+
 idem::RabbitConsumerOptions options(int port, const std::string& queue) {
   idem::RabbitConsumerOptions o;
   o.port = port;
@@ -220,16 +232,7 @@ TEST_CASE("RabbitConsumer: a delayed requeue comes back after its delay, a lost 
   auto bogus = *held;
   bogus.tag += 1000;
   c.settle(bogus, {idem::BrokerAction::ack, {}});
-  bool lost = false;
-  for (int i = 0; i < 20 && !lost; ++i) {
-    try {
-      (void)c.next(100ms);
-    } catch (const idem::connection_error& e) {
-      CHECK(e.retryable());
-      lost = true;
-    }
-  }
-  REQUIRE(lost);
+  REQUIRE(loses_connection(c));
   c.settle(*held, {idem::BrokerAction::ack, {}});  // its connection is gone: answered by nobody
   auto back = c.next(5s);
   REQUIRE(back);
@@ -316,16 +319,7 @@ TEST_CASE("RabbitConsumer: the connection killed mid-prefetch, the consumer reco
   }
   proxy.cut_next_reply();
   pub.send(q, "k-10", "b");  // its delivery is what the proxy cuts: the connection closes under the consumer
-  bool lost = false;
-  for (int i = 0; i < 50 && !lost; ++i) {
-    try {
-      (void)c.next(100ms);
-    } catch (const idem::connection_error& e) {
-      CHECK(e.retryable());
-      lost = true;
-    }
-  }
-  REQUIRE(lost);
+  REQUIRE(loses_connection(c));
   for (const auto& d : held) c.settle(d, {idem::BrokerAction::ack, {}});  // their connection is gone: nothing sent
   int duplicates = 0, executed = 0;
   for (int i = 0; i < 6; ++i) {  // the five unacked come back, and k-10

@@ -18,6 +18,7 @@
 
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
+#include "idem/detail/consume_loop.hpp"
 
 namespace idem {
 
@@ -125,25 +126,23 @@ public:
   /// (the batch released).
   template <class Handle>
   void run(std::stop_token stop, Handle&& handle) {
-    auto pause = millis{50};
-    while (!stop.stop_requested()) {
-      try {
-        const std::vector<NatsMessage> messages = poll();
-        std::vector<NatsDecision> decisions;
-        decisions.reserve(messages.size());
-        for (const NatsMessage& m : messages) decisions.push_back(handle(m));
-        settle(decisions);
-        pause = millis{50};
-      } catch (const error& e) {
-        release();
-        if (!e.retryable()) throw;  // a refused request or bad configuration: a human must look
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, millis{1000});
-      } catch (...) {
-        release();  // the handler's own exception: its batch is not kept alive after it
-        throw;
-      }
-    }
+    detail::consume_loop(
+        stop,
+        [&] {
+          try {
+            const std::vector<NatsMessage> messages = poll();
+            std::vector<NatsDecision> decisions;
+            decisions.reserve(messages.size());
+            for (const NatsMessage& m : messages) decisions.push_back(handle(m));
+            settle(decisions);
+          } catch (const error&) {
+            throw;  // consume_loop releases the batch (on_error) and backs off or rethrows
+          } catch (...) {
+            release();  // the handler's own exception: its batch is not kept alive after it
+            throw;
+          }
+        },
+        [&] { release(); });
   }
 
   /// Counters so far.

@@ -14,6 +14,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
+#include "idem/detail/consume_loop.hpp"
 
 namespace idem {
 
@@ -72,7 +73,8 @@ struct RabbitConsumerStats {
  * two copies, which the guard answers as a duplicate; with a zero delay it is a plain nack).
  * Nothing is acked before its outcome is known. A lost connection or channel is thrown as a
  * retryable connection_error; the next call reconnects, and the broker redelivers whatever was
- * unacked (the guard answers duplicates). `run()` is the loop. One thread per consumer.
+ * unacked (the guard answers duplicates). `run()` is the loop. One thread per consumer; stats()
+ * may be read from any thread.
  */
 class RabbitConsumer {
 public:
@@ -101,20 +103,15 @@ public:
   /// connection backs off up to 1 s and reconnects; other errors are thrown.
   template <class Handle>
   void run(std::stop_token stop, Handle&& handle) {
-    auto pause = millis{50};
-    while (!stop.stop_requested()) {
-      try {
-        if (auto d = next(millis{100})) settle(*d, handle(*d));
-        pause = millis{50};
-      } catch (const error& e) {
-        if (!e.retryable()) throw;
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, millis{1000});
-      }
-    }
+    detail::consume_loop(
+        stop,
+        [&] {
+          if (auto d = next(millis{100})) settle(*d, handle(*d));
+        },
+        [] {});
   }
 
-  /// Counters so far.
+  /// Counters so far (any thread may read them).
   [[nodiscard]] RabbitConsumerStats stats() const noexcept;
   /// The options in force.
   [[nodiscard]] const RabbitConsumerOptions& options() const noexcept;

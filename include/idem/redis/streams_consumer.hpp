@@ -17,6 +17,7 @@
 
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
+#include "idem/detail/consume_loop.hpp"
 #include "idem/redis/options.hpp"
 
 namespace idem {
@@ -109,21 +110,16 @@ public:
   /// thrown. The handler's own exceptions are its decision's business (catch them, or use decide()).
   template <class Handle>
   void run(std::stop_token stop, Handle&& handle) {
-    auto pause = millis{50};
-    while (!stop.stop_requested()) {
-      try {
-        const std::vector<StreamEntry> entries = poll();
-        std::vector<StreamDecision> decisions;
-        decisions.reserve(entries.size());
-        for (const StreamEntry& e : entries) decisions.push_back(handle(e));
-        settle(entries, decisions);
-        pause = millis{50};
-      } catch (const error& e) {
-        if (!e.retryable()) throw;  // a refused command or bad configuration: a human must look
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, millis{1000});
-      }
-    }
+    detail::consume_loop(
+        stop,
+        [&] {
+          const std::vector<StreamEntry> entries = poll();
+          std::vector<StreamDecision> decisions;
+          decisions.reserve(entries.size());
+          for (const StreamEntry& e : entries) decisions.push_back(handle(e));
+          settle(entries, decisions);
+        },
+        [] {});
   }
 
   /// Counters so far.
