@@ -8,6 +8,7 @@
 #include <sys/time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <utility>
 
@@ -64,7 +65,10 @@ struct RabbitConsumer::Impl {
   RabbitConsumerOptions opt;
   amqp_connection_state_t conn = nullptr;
   std::uint64_t generation = 0;  // bumped per connection: a delivery answers only on its own
-  RabbitConsumerStats stats;
+  // Read by stats() from any thread (metrics) while the consumer's own thread counts.
+  struct Counters {
+    std::atomic<std::uint64_t> delivered{0}, redelivered{0}, acked{0}, dead_lettered{0}, requeued{0}, reconnects{0};
+  } stats;
 
   explicit Impl(RabbitConsumerOptions o) : opt(checked(std::move(o))) {}
   ~Impl() { close(true); }
@@ -256,7 +260,11 @@ RabbitDecision RabbitConsumer::decide(const std::exception_ptr& e) const {
   return d;
 }
 
-RabbitConsumerStats RabbitConsumer::stats() const noexcept { return impl_->stats; }
+RabbitConsumerStats RabbitConsumer::stats() const noexcept {
+  const auto& c = impl_->stats;
+  return {c.delivered.load(), c.redelivered.load(), c.acked.load(), c.dead_lettered.load(), c.requeued.load(),
+          c.reconnects.load()};
+}
 const RabbitConsumerOptions& RabbitConsumer::options() const noexcept { return impl_->opt; }
 
 }  // namespace idem
