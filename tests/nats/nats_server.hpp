@@ -26,49 +26,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "../support/process.hpp"  // free_port, spawn
+
 #ifndef IDEM_NATS_SERVER
 #define IDEM_NATS_SERVER "nats-server"
 #endif
 
 namespace idem::test::nats {
 
-// A free loopback port right now (the kernel picks it).
-inline int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("test: socket() failed");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    throw std::runtime_error("test: cannot bind a loopback port");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-// fork + exec of argv, stdout/stderr to `out_fd` (or /dev/null); the child dies with this process.
-inline pid_t spawn(const std::vector<std::string>& args, int out_fd = -1) {
-  std::vector<char*> argv;
-  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-  argv.push_back(nullptr);
-  const pid_t parent = ::getpid();
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error("test: fork failed");
-  if (pid == 0) {
-    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (::getppid() != parent) ::_exit(127);
-    const int null = ::open("/dev/null", O_RDWR);
-    ::dup2(null, 0);
-    ::dup2(out_fd >= 0 ? out_fd : null, 1);
-    ::dup2(out_fd >= 0 ? out_fd : null, 2);
-    ::execv(argv[0], argv.data());
-    ::_exit(127);
-  }
-  return pid;
-}
+using idem::test::free_port;
+using idem::test::spawn;
 
 // Waits for `pid` up to `limit`, then SIGKILLs it; its exit code or 128 + signal.
 inline int reap(pid_t pid, std::chrono::milliseconds limit = std::chrono::seconds(10)) {
