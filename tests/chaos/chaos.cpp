@@ -1223,7 +1223,7 @@ int driver_main(int argc, char** argv) {
       return 2;
     }
   }
-  if (events <= 0) events = large ? 100'000 : 20'000;
+  if (events <= 0) events = large ? 100'000 : 10'000;
   const auto bound = large ? Clock::duration(15min) : Clock::duration(100s);
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);

@@ -6,7 +6,7 @@
 # fuzz_lua_record gets a redis-server of its own on a unix socket, stopped by its PID after.
 set -u
 bin=$1
-secs=${2:-${IDEM_FUZZ_SECONDS:-12}}
+secs=${2:-${IDEM_FUZZ_SECONDS:-6}}
 name=$(basename "$bin")
 here=$(cd "$(dirname "$0")" && pwd)
 work=$(cd "$(dirname "$bin")" && pwd)/work-$name

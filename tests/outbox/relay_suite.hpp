@@ -240,6 +240,17 @@ void relay_killed_after_publish_sent_again_applied_once(B& b) {
     ::outboxtest::relay::fn(b);                               \
   }
 
+// The broker-outage case; a test file that defines IDEM_RELAY_SKIP_OUTAGE leaves it out (the
+// RabbitMQ suite under sanitizers: halting and resuming a real node costs ~20 s per run, and the
+// relay's outage logic is the same code the in-process and Kafka suites run there).
+#ifdef IDEM_RELAY_SKIP_OUTAGE
+#define IDEM_OUTBOX_RELAY_OUTAGE_CASE_(Broker, name, tag)
+#else
+#define IDEM_OUTBOX_RELAY_OUTAGE_CASE_(Broker, name, tag)                                         \
+  IDEM_OUTBOX_RELAY_CASE_(Broker, name, tag, "broker down -> rows wait, nothing lost, sent once the broker is back", \
+                          broker_down_rows_wait_then_sent)
+#endif
+
 /// Instantiates every end-to-end relay case for Broker; `name` prefixes the case names ("Kafka"),
 /// tag is a Catch2 tag such as "[kafka]".
 #define IDEM_OUTBOX_RELAY_SUITE(Broker, name, tag)                                                            \
@@ -248,9 +259,7 @@ void relay_killed_after_publish_sent_again_applied_once(B& b) {
                           committed_once_rolled_back_never_resent_deduplicated)                               \
   IDEM_OUTBOX_RELAY_CASE_(Broker, name, tag, "two relays at once send every row, in order per key",          \
                           two_relays_send_every_row_in_order_per_key)                                         \
-  IDEM_OUTBOX_RELAY_CASE_(Broker, name, tag,                                                                  \
-                          "broker down -> rows wait, nothing lost, sent once the broker is back",             \
-                          broker_down_rows_wait_then_sent)                                                    \
+  IDEM_OUTBOX_RELAY_OUTAGE_CASE_(Broker, name, tag)                                                          \
   IDEM_OUTBOX_RELAY_CASE_(Broker, name, tag,                                                                  \
                           "a relay SIGKILLed between publish and mark-sent -> sent again with the same ids, " \
                           "applied once",                                                                     \

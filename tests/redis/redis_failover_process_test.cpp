@@ -13,7 +13,7 @@
 // No key may be lost (started and never run), and every error must be a typed idem error.
 //
 // By hand: IDEM_FAILOVER_ROUNDS sets the failovers per run (default IDEM_FAILOVER_DEFAULT_ROUNDS:
-// 10, or 3 in sanitizer builds, from CMake), IDEM_FAILOVER_ACKS=0|1 runs one setting only, and
+// 5, or 3 in sanitizer builds, from CMake), IDEM_FAILOVER_ACKS=0|1 runs one setting only, and
 // IDEM_TEST_KEEP_TOPOLOGY=1 keeps the sentinel logs and the workers' files (redis_topology.hpp).
 #include <catch2/catch.hpp>
 
@@ -39,7 +39,7 @@
 #include "redis_topology.hpp"
 
 #ifndef IDEM_FAILOVER_DEFAULT_ROUNDS
-#define IDEM_FAILOVER_DEFAULT_ROUNDS 10
+#define IDEM_FAILOVER_DEFAULT_ROUNDS 5
 #endif
 
 using namespace std::chrono_literals;
