@@ -1,6 +1,7 @@
 // PostgresStore on a replicated pair of its own (pg_pair.sh) where a commit's fate is in doubt:
 // a cancelled wait for the synchronous standby is reported as durability_error, never as done,
-// and a COMMIT whose answer is lost while the primary fails is settled on the promoted standby.
+// and a COMMIT in doubt as the primary fails is settled on the promoted standby: committed when
+// only its answer was lost, not committed when the primary died inside it.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -221,4 +222,68 @@ TEST_CASE("postgres ha: a COMMIT whose answer is lost as the primary fails is se
   auto rec = s.inspect(k);
   REQUIRE(rec);
   CHECK(rec->result == "settled");
+}
+
+TEST_CASE("postgres ha: a COMMIT cut short by the primary's failure is settled on the promoted standby as not committed",
+          "[postgres][failover][ha]") {
+  Pair pair("sync");
+  auto o = config(pair.conninfo(), idem::PostgresMode::transactional);
+  o.client.settle_wait = 10s;
+  idem::PostgresStore s(o.client, o.store);
+  REQUIRE_FALSE(s.inspect(key("warm-up")).has_value());
+  pgtest::Raw raw(pair.conninfo((pair.read("primary") + ".conninfo").c_str()));
+  const std::string t = "slow_" + pgtest::random_hex(8);
+  // A deferred trigger makes COMMIT itself take a while, so the primary can die inside it: before
+  // the commit record is written, on either node.
+  raw.exec("CREATE TABLE " + t + " (id int); CREATE FUNCTION " + t +
+           "_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$; "
+           "CREATE CONSTRAINT TRIGGER " + t + "_trg AFTER INSERT ON " + t +
+           " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + t + "_fn()");
+
+  const auto k = key("cut-short");
+  auto tx = s.begin(k, ap(3));
+  REQUIRE(tx.decision().status == AcquireStatus::acquired);
+  const int pid = tx.backend_pid();
+  tx.exec("INSERT INTO " + t + " VALUES (1)");
+  double failover = 0;
+  bool sleeping = false;
+  std::thread fail_over([&] {
+    for (int i = 0; i < 250 && !sleeping; ++i) {  // until the backend sits in the trigger's sleep
+      sleeping = raw.scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = " + std::to_string(pid) +
+                            " AND wait_event = 'PgSleep'") == "1";
+      if (!sleeping) std::this_thread::sleep_for(20ms);
+    }
+    const auto t0 = Clock::now();
+    pair.step("kill-primary");
+    pair.step("promote");
+    failover = seconds_since(t0);
+  });
+  const auto t0 = Clock::now();
+  std::exception_ptr thrown;
+  try {
+    (void)tx.commit("never", 60s);
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  const double settled = seconds_since(t0);
+  fail_over.join();
+  std::printf("COMMIT cut short: primary killed + standby promoted in %.2f s, settled after %.2f s\n", failover,
+              settled);
+  CHECK(sleeping);
+  REQUIRE(thrown);
+  try {
+    std::rethrow_exception(thrown);
+  } catch (const idem::connection_error& e) {
+    INFO(e.what());
+    CHECK(e.retryable());  // nothing was written: a redelivery runs the message again
+    CHECK_THAT(std::string(e.what()), Catch::Contains("did not commit"));
+  } catch (const std::exception& x) {
+    FAIL("expected a retryable connection_error saying it did not commit, got: " << x.what());
+  }
+  // On the new primary: neither the record nor the handler's write, and the key can be claimed.
+  CHECK_FALSE(s.inspect(k).has_value());
+  pgtest::Raw now(pair.conninfo());
+  CHECK(now.scalar("SELECT count(*) FROM " + t) == "0");
+  pair.step("attach");  // a synchronous primary's writes wait for a standby
+  CHECK(s.acquire(k, ap(4)).status == AcquireStatus::acquired);
 }
