@@ -44,6 +44,7 @@
 #include "idem/memory/memory_store.hpp"
 #include "idem/prometheus/observer.hpp"
 #include "mini_json.hpp"
+#include "../support/process.hpp"  // free_port
 
 using namespace std::chrono_literals;
 using idem_test::Json;
@@ -66,23 +67,7 @@ std::string tail(const std::string& text, std::size_t n = 3000) {
   return text.size() <= n ? text : "..." + text.substr(text.size() - n);
 }
 
-// A loopback port nobody listens on right now (the kernel's pick for an ephemeral bind).
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    throw std::runtime_error("bind to a free port failed");
-  }
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using idem::test::free_port;
 
 // A temp dir removed at the end, with everything in it.
 struct TempDir {
