@@ -118,6 +118,35 @@ private:
   PGconn* c_;
 };
 
+// A table whose inserts make COMMIT itself take `seconds` (a deferred constraint trigger sleeps in
+// it), so a test can act while a transaction is inside COMMIT, before its commit record. Returns
+// the table's name; drop_slow_commit_table removes it with its function.
+inline std::string slow_commit_table(Raw& raw, int seconds) {
+  const std::string t = "slow_" + random_hex(8);
+  raw.exec("CREATE TABLE " + t + " (id int); CREATE FUNCTION " + t +
+           "_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(" + std::to_string(seconds) +
+           "); RETURN NULL; END $$; CREATE CONSTRAINT TRIGGER " + t + "_trg AFTER INSERT ON " + t +
+           " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + t + "_fn()");
+  return t;
+}
+
+inline void drop_slow_commit_table(Raw& raw, const std::string& t) {
+  raw.exec("DROP TABLE " + t + "; DROP FUNCTION " + t + "_fn()");
+}
+
+// Whether backend `pid` shows wait event `event` (PgSleep, SyncRep, ...) within `limit`, polled
+// every 20 ms.
+inline bool backend_waits(Raw& raw, int pid, const char* event,
+                          std::chrono::milliseconds limit = std::chrono::seconds(5)) {
+  const std::string sql = "SELECT count(*) FROM pg_stat_activity WHERE pid = " + std::to_string(pid) +
+                          " AND wait_event = '" + event + "'";
+  for (auto waited = std::chrono::milliseconds(0); waited < limit; waited += std::chrono::milliseconds(20)) {
+    if (raw.scalar(sql) == "1") return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 // The options of a test store: its connection and the store itself.
 struct Config {
   idem::PostgresOptions client;

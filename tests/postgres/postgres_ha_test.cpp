@@ -232,13 +232,8 @@ TEST_CASE("postgres ha: a COMMIT cut short by the primary's failure is settled o
   idem::PostgresStore s(o.client, o.store);
   REQUIRE_FALSE(s.inspect(key("warm-up")).has_value());
   pgtest::Raw raw(pair.conninfo((pair.read("primary") + ".conninfo").c_str()));
-  const std::string t = "slow_" + pgtest::random_hex(8);
-  // A deferred trigger makes COMMIT itself take a while, so the primary can die inside it: before
-  // the commit record is written, on either node.
-  raw.exec("CREATE TABLE " + t + " (id int); CREATE FUNCTION " + t +
-           "_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(30); RETURN NULL; END $$; "
-           "CREATE CONSTRAINT TRIGGER " + t + "_trg AFTER INSERT ON " + t +
-           " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + t + "_fn()");
+  // The primary dies inside COMMIT: before the commit record is written, on either node.
+  const std::string t = pgtest::slow_commit_table(raw, 30);
 
   const auto k = key("cut-short");
   auto tx = s.begin(k, ap(3));
@@ -248,11 +243,7 @@ TEST_CASE("postgres ha: a COMMIT cut short by the primary's failure is settled o
   double failover = 0;
   bool sleeping = false;
   std::thread fail_over([&] {
-    for (int i = 0; i < 250 && !sleeping; ++i) {  // until the backend sits in the trigger's sleep
-      sleeping = raw.scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = " + std::to_string(pid) +
-                            " AND wait_event = 'PgSleep'") == "1";
-      if (!sleeping) std::this_thread::sleep_for(20ms);
-    }
+    sleeping = pgtest::backend_waits(raw, pid, "PgSleep");  // the backend sits in the trigger's sleep
     const auto t0 = Clock::now();
     pair.step("kill-primary");
     pair.step("promote");

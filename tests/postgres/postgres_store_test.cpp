@@ -392,12 +392,7 @@ TEST_CASE("postgres: a serialization failure is a retryable store_error 40001, n
 TEST_CASE("postgres: a connection lost during COMMIT is settled: a rolled-back one is a retryable error",
           "[postgres][fault][tx]") {
   pgtest::Raw raw;
-  const std::string t = "slow_" + pgtest::random_hex(8);
-  // A deferred trigger makes COMMIT itself take a while, so the session can be killed inside it.
-  raw.exec("CREATE TABLE " + t + " (id int); CREATE FUNCTION " + t +
-           "_fn() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(5); RETURN NULL; END $$; "
-           "CREATE CONSTRAINT TRIGGER " + t + "_trg AFTER INSERT ON " + t +
-           " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION " + t + "_fn()");
+  const std::string t = pgtest::slow_commit_table(raw, 5);  // so the session can be killed inside COMMIT
   idem::PostgresStore s = pgtest::store(idem::PostgresMode::transactional);
   const auto k = key("in-doubt");
   auto tx = s.begin(k, ap(1));
@@ -406,12 +401,7 @@ TEST_CASE("postgres: a connection lost during COMMIT is settled: a rolled-back o
   tx.exec("INSERT INTO " + t + " VALUES (1)");
   std::thread killer([&] {
     pgtest::Raw k2;
-    for (int i = 0; i < 100; ++i) {  // wait until the backend sits in the trigger's sleep
-      if (k2.scalar("SELECT count(*) FROM pg_stat_activity WHERE pid = " + std::to_string(pid) +
-                    " AND wait_event = 'PgSleep'") == "1")
-        break;
-      std::this_thread::sleep_for(20ms);
-    }
+    (void)pgtest::backend_waits(k2, pid, "PgSleep", 2s);  // the backend sits in the trigger's sleep
     k2.exec("SELECT pg_terminate_backend(" + std::to_string(pid) + ")");
   });
   // Killed inside the deferred trigger, before its commit record: read afterwards, it rolled back.
@@ -423,7 +413,7 @@ TEST_CASE("postgres: a connection lost during COMMIT is settled: a rolled-back o
   CHECK_FALSE(s.inspect(k).has_value());
   // The pool drops the dead connection and goes on.
   CHECK(s.acquire(key("after"), ap(2)).status == AcquireStatus::acquired);
-  raw.exec("DROP TABLE " + t + "; DROP FUNCTION " + t + "_fn()");
+  pgtest::drop_slow_commit_table(raw, t);
 }
 
 TEST_CASE("postgres: handler statements do not inherit the claim's short lock_timeout", "[postgres][tx]") {
