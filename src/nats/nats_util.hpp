@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <cstring>
 #include <string>
 
 #include <fmt/format.h>
@@ -50,6 +51,13 @@ inline bool transient(natsStatus s, jsErrCode code) noexcept {
   return code == JSClusterNotAvailErr || code == JSClusterNoPeersErr || code == JSStreamOfflineErr;
 }
 
+/// True when a request ended because the server is shutting down: nats.c reports the server's
+/// 409 "Server Shutdown" on a pull request as a plain NATS_ERR with that text. It comes back (or
+/// another takes over): a retry helps.
+inline bool server_shutdown(natsStatus s, const char* detail) noexcept {
+  return s == NATS_ERR && detail != nullptr && std::strstr(detail, "Server Shutdown") != nullptr;
+}
+
 /// Throws connection_error (unreachable, timed out: retryable) or store_error (JetStream refused:
 /// code "JS<n>"), naming `what`, the client's own last error text and `hint` (what to check).
 [[noreturn]] inline void fail(natsStatus s, jsErrCode code, const std::string& what, const std::string& hint = {}) {
@@ -58,7 +66,7 @@ inline bool transient(natsStatus s, jsErrCode code) noexcept {
   std::string msg = fmt::format("idem: {} failed: {}", what, natsStatus_GetText(s));
   if (code != 0) msg += fmt::format(" (JetStream error {})", static_cast<int>(code));
   if (detail != nullptr && *detail != '\0') msg += fmt::format(": {}", detail);
-  const bool retry = transient(s, code);
+  const bool retry = transient(s, code) || server_shutdown(s, detail);
   if (!hint.empty()) msg += fmt::format("; {}", hint);
   else if (retry) msg += "; retry once the NATS server is reachable";
   if (retry && code == 0) throw connection_error(msg, natsStatus_GetText(s), true);
