@@ -258,7 +258,9 @@ private:
     const OutboxMessage& m = batch[first];
     const std::string why = state.errors[first] == RD_KAFKA_RESP_ERR__STATE ? std::string("no delivery report")
                                                                              : rd_kafka_err2str(state.errors[first]);
-    if (timed_out)
+    // librdkafka times a message out by itself after message.timeout.ms, which is our own timeout:
+    // whichever of the two ends the wait first, the batch was not acknowledged in time.
+    if (timed_out || state.errors[first] == RD_KAFKA_RESP_ERR__MSG_TIMED_OUT)
       fail(fmt::format("{} not acknowledged within {} ms (first: {} to topic {}: {}); check that the brokers are "
                        "reachable and the topic exists; the batch will be sent again",
                        count, options_.timeout.count(), m.id, m.destination, why),
