@@ -190,11 +190,18 @@ void StoreImpl::prepare(Connection& c) {
       PostgresResult r = ResultAccess::wrap(PQprepare(c.pg, names[st].c_str(), texts[st].c_str(), nparams[st], nullptr));
       if (!result_ok(ResultAccess::native(r))) {
         const std::string code = sqlstate_of(ResultAccess::native(r));
-        if (code == "42P05")  // ours, on a session that never prepared it: a pooler hands sessions round
+        if (code == "42P05") {  // on a session this connection never prepared on: a pooler hands sessions round
+          // The name is derived from the text, so it is this very statement, prepared by another
+          // client of the pooler; unless someone else took the name, which is said too.
+          const char* name = names[st].c_str();
+          PostgresResult q = exec_text(c.pg, "SELECT statement FROM pg_prepared_statements WHERE name = $1", &name, 1);
+          const PGresult* qn = ResultAccess::native(q);
+          const bool foreign = result_ok(qn) && PQntuples(qn) == 1 && texts[st] != PQgetvalue(qn, 0, 0);
           throw invalid_options_error(fmt::format(
-              "idem: prepared statement {} already exists on a new session: the conninfo reaches a "
+              "idem: prepared statement {} already exists on a new session{}: the conninfo reaches a "
               "transaction-mode pooler (PgBouncer pool_mode=transaction); set PostgresOptions::transaction_pooler",
-              names[st]));
+              names[st], foreign ? " with another statement's text" : ""));
+        }
         throw_result(fmt::format("prepare {}", names[st]), ResultAccess::native(r), c.pg, store_missing);
       }
     }

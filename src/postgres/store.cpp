@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
+#include "idem/core/fingerprint.hpp"
 #include "idem/detail/warning_relay.hpp"
 #include "idem/detail/validate.hpp"
 #include "store_impl.hpp"
@@ -184,9 +185,14 @@ StoreImpl::StoreImpl(std::shared_ptr<PostgresClient> c, PostgresStoreOptions o)
       begin_sql("BEGIN ISOLATION LEVEL " + opt.isolation),
       lock_timeout_text(std::to_string(opt.lock_timeout.count())),
       statement_set(client.statement_set(qt)) {
-  for (std::size_t i = 0; i < names.size(); ++i)
-    names[i] = "idem" + std::to_string(statement_set) + "_" + statement_suffixes[i];
   define_all();
+  // A name says what it runs: its kind, then SHA-256 of the format version and the statement's
+  // whole text (which holds the schema and table). Two stores, two clients or two services that
+  // meet on one server session (a transaction-mode pooler hands sessions round) can then share a
+  // name only when they share the statement, and a name never runs another table's SQL.
+  for (std::size_t i = 0; i < names.size(); ++i)
+    names[i] = fmt::format("idem_{}_{}", statement_suffixes[i],
+                           idem::fingerprint(std::string(kStatementFormat) + '\0' + texts[i]).substr(0, 24));
 }
 
 Params StoreImpl::completion(std::string_view key, const Holder& h, std::string_view value, millis retention) const {

@@ -88,6 +88,10 @@ std::string clean_owner(std::string_view o);
 
 inline std::int64_t as_i64(std::uint64_t v) { return static_cast<std::int64_t>(v); }
 
+// Hashed into every prepared statement's name with its text: a new way of binding or decoding the
+// same SQL changes it, so a session never runs a statement prepared by another version of idem.
+inline constexpr std::string_view kStatementFormat = "idem-statement-v1";
+
 // The prepared statements of a store, by index into StoreImpl::names. A *Again statement is what
 // a lease-mode call sends on a second session when the first died under it: the same request,
 // which also recognises this holder's own earlier write as done (so a lost reply settles).
@@ -236,7 +240,9 @@ class StoreImpl {
   PostgresStoreOptions opt;
   std::string qs, qt, begin_sql, lock_timeout_text;
   std::uint32_t statement_set;
-  std::array<std::string, kStatementCount> names;  // on the server, unique per statement set
+  // On the server: idem_<kind>_<24 hex of SHA-256(kStatementFormat, NUL, text)>, so a name
+  // denotes one statement on any session (see the constructor, store.cpp).
+  std::array<std::string, kStatementCount> names;
   std::array<std::string, kStatementCount> texts;  // their SQL (define_all)
   std::array<int, kStatementCount> nparams{};
 

@@ -9,6 +9,8 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <cstdio>
+#include <mutex>
 #include <chrono>
 #include <fstream>
 #include <memory>
@@ -175,6 +177,112 @@ TEST_CASE("pgbouncer transaction mode without transaction_pooler is refused with
   INFO(why);
   CHECK(refused);
   CHECK_THAT(why, Catch::Contains("transaction_pooler"));
+}
+
+// Two services' stores on one database, on tables of their own, each with a client of its own,
+// behind one transaction-mode pooler whose 3 server sessions the 8 client sessions share: each
+// store's statements meet server sessions where the other's are prepared. A statement's name is
+// derived from its text, so no call is ever answered from the other store's table. Without
+// transaction_pooler a call may be refused with invalid_options_error, never decided wrongly;
+// with it every call is decided right.
+TEST_CASE("pgbouncer transaction mode: two stores on different tables never answer from each other's table",
+          "[postgres][pgbouncer]") {
+  const bool pooler = GENERATE(false, true);
+  INFO("transaction_pooler = " << pooler);
+  const std::string suffix = pgtest::random_hex(6);
+  auto config = [&](const char* svc) {
+    auto o = behind();
+    o.client.transaction_pooler = pooler;
+    o.client.pool.size = 4;
+    o.store.table = std::string(svc) + "_" + suffix;
+    return o;
+  };
+  const auto oa = config("svc_a"), ob = config("svc_b");
+  for (const auto* o : {&oa, &ob}) {  // the tables, made through a client that cannot be refused
+    auto m = *o;
+    m.client.transaction_pooler = true;
+    idem::PostgresStore(m.client, m.store).migrate();
+  }
+  idem::PostgresStore a(oa.client, oa.store), b(ob.client, ob.store);
+  const std::string prefix = "two:" + suffix + ":";
+  constexpr int keys = 40;
+  std::atomic<int> refused{0}, right{0};
+  std::mutex mu;
+  std::vector<std::string> wrong;
+  auto note_wrong = [&](std::string w) {
+    std::lock_guard lk(mu);
+    wrong.push_back(std::move(w));
+  };
+  auto params = [](const char* owner, std::uint64_t token) {
+    auto p = pgtest::ap(token);
+    p.owner = owner;
+    return p;
+  };
+  // Runs f, counting a refusal; any other error is a failure of the test.
+  auto attempt = [&](const std::string& what, auto&& f) {
+    try {
+      f();
+    } catch (const idem::invalid_options_error& e) {
+      if (pooler) note_wrong(what + ": refused with transaction_pooler set: " + e.what());
+      ++refused;
+    } catch (const std::exception& e) {
+      note_wrong(what + ": " + e.what());
+    }
+  };
+  // Service A completes its keys first.
+  for (int i = 0; i < keys; ++i) {
+    const std::string k = prefix + std::to_string(i);
+    attempt("a first " + k, [&] {
+      auto d = a.acquire(k, params("svc-a", 1));
+      if (d.status != idem::AcquireStatus::acquired) return note_wrong("a first " + k + ": not acquired");
+      if (a.complete(k, d.holder, "A:" + k, 60s) != idem::WriteStatus::ok) note_wrong("a complete " + k);
+      ++right;
+    });
+  }
+  // Then both at once: A asks its keys again (duplicates, its own results), B runs the same key
+  // names, which its own table has never seen.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = t; i < keys; i += 2) {
+        const std::string k = prefix + std::to_string(i);
+        attempt("a again " + k, [&] {
+          auto d = a.acquire(k, params("svc-a", 2));
+          if (d.status != idem::AcquireStatus::duplicate || d.payload != "A:" + k)
+            return note_wrong("a again " + k + ": " + std::string(idem::to_string(d.status)) + " '" + d.payload + "'");
+          ++right;
+        });
+      }
+    });
+    threads.emplace_back([&, t] {
+      for (int i = t; i < keys; i += 2) {
+        const std::string k = prefix + std::to_string(i);
+        attempt("b " + k, [&] {
+          auto d = b.acquire(k, params("svc-b", 3));
+          if (d.status != idem::AcquireStatus::acquired)
+            return note_wrong("b " + k + ": " + std::string(idem::to_string(d.status)) + " '" + d.payload + "'");
+          if (b.complete(k, d.holder, "B:" + k, 60s) != idem::WriteStatus::ok) return note_wrong("b complete " + k);
+          ++right;
+        });
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& w : wrong) FAIL_CHECK(w);
+  // Each table holds its own service's rows only (a claim whose completion was refused stays
+  // in progress until its lease ends).
+  pgtest::Raw raw;
+  const std::string qa = "idem_test." + oa.store.table, qb = "idem_test." + ob.store.table;
+  const auto foreign = [&](const std::string& table, const char* owner, const char* prefix) {
+    return raw.scalar("SELECT count(*) FROM " + table + " WHERE owner <> '" + owner +
+                      "' OR (state = 2 AND convert_from(result, 'UTF8') NOT LIKE '" + prefix + "%')");
+  };
+  CHECK(foreign(qa, "svc-a", "A:") == "0");
+  CHECK(foreign(qb, "svc-b", "B:") == "0");
+  std::printf("two stores behind transaction pooling (transaction_pooler %s): %d calls right, %d refused, %zu wrong\n",
+              pooler ? "on" : "off", right.load(), refused.load(), wrong.size());
+  if (pooler) CHECK(right.load() == 3 * keys);
+  raw.exec("DROP TABLE " + qa + ", " + qb);
 }
 
 #endif
