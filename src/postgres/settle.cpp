@@ -1,7 +1,8 @@
 // A COMMIT whose answer was lost (the connection broke after it was sent) is settled, never
 // guessed: a fresh session (after a failover, on the new primary: the conninfo's
 // target_session_attrs=read-write finds it) asks the server what became of the transaction, by
-// its id and by the key's row, until it knows or PostgresOptions::settle_wait has passed.
+// its id, by the key's row and by the backend it ran on, until it knows or
+// PostgresOptions::settle_wait has passed (docs/postgres-ha.md, "A COMMIT in doubt").
 
 #include <chrono>
 #include <thread>
@@ -28,22 +29,30 @@ std::string hex_bytea(std::string_view b) {
 
 }  // namespace
 
-WriteStatus StoreImpl::settle_commit(std::string_view key, const Holder& h, const std::string& xid,
+WriteStatus StoreImpl::settle_commit(std::string_view key, const Holder& h, const std::string& xid, int backend_pid,
                                      const std::string& why, const std::string& code) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + client.options().settle_wait;
-  // Whether the row is ours and completed; the transaction's status, 'future' when this server
-  // never assigned that id (a new primary the transaction did not reach: it is not in this
-  // history); and what its backend waits for while it is still in progress (SyncRep: committed
-  // here, waiting for a standby). pg_xact_status is only asked below the snapshot's xmax: above,
-  // it raises.
+  // A transaction id alone does not name a transaction across a failover: a promoted standby that
+  // never received its WAL hands the same id (epoch included) to its own next transactions. So it
+  // is asked together with what only this transaction could have left: its completion on the
+  // key's row (our fence and token, state completed), and, while it runs, the backend it ran on.
+  //   $1 key, $2 fence, $3 token, $4 the xid8 at BEGIN.
+  // Columns: the row is ours and completed; the id's status ('future' when this server never
+  // assigned it: pg_xact_status raises at or above the snapshot's xmax); whether the id had ended
+  // before the statement's snapshot (its outcome and the row read are then of the same moment);
+  // the pid and the wait event of a backend running that id now (SyncRep: committed here, waiting
+  // for a standby).
+  const std::string running =
+      "(SELECT a.{} FROM pg_stat_activity a WHERE a.backend_xid = (($4::xid8)::text::numeric % 4294967296)::text::xid "
+      "LIMIT 1)";
   const std::string sql =
       "SELECT (SELECT t.state = 2 AND t.fence = $2::bigint AND t.token = $3::bigint FROM " + qt +
       " t WHERE t.key = $1::bytea), "
       "CASE WHEN $4::xid8 IS NULL THEN NULL WHEN $4::xid8 < pg_snapshot_xmax(pg_current_snapshot()) "
       "THEN pg_xact_status($4::xid8) ELSE 'future' END, "
-      "(SELECT a.wait_event FROM pg_stat_activity a "
-      "WHERE a.backend_xid = (($4::xid8)::text::numeric % 4294967296)::text::xid LIMIT 1)";
+      "pg_visible_in_snapshot($4::xid8, pg_current_snapshot()), " +
+      fmt::format(fmt::runtime(running), "pid") + ", " + fmt::format(fmt::runtime(running), "wait_event");
   const std::string k = hex_bytea(key), fence = std::to_string(as_i64(h.fence)), token = std::to_string(as_i64(h.token));
   const char* vals[] = {k.c_str(), fence.c_str(), token.c_str(), xid.empty() ? nullptr : xid.c_str()};
   std::string seen = "no session could be opened";
@@ -63,16 +72,31 @@ WriteStatus StoreImpl::settle_commit(std::string_view key, const Holder& h, cons
         if (PQstatus(s.pg()) != CONNECTION_OK || read_only_answer(n)) s.healthy(false);
         continue;
       }
-      const bool ours = !PQgetisnull(n, 0, 0) && std::string_view(PQgetvalue(n, 0, 0)) == "t";
-      const std::string status = PQgetisnull(n, 0, 1) ? "unknown" : PQgetvalue(n, 0, 1);
-      sync_wait = !PQgetisnull(n, 0, 2) && std::string_view(PQgetvalue(n, 0, 2)) == "SyncRep";
+      const auto text = [n](int col) { return PQgetisnull(n, 0, col) ? std::string() : std::string(PQgetvalue(n, 0, col)); };
+      const bool ours = text(0) == "t";
+      const std::string status = PQgetisnull(n, 0, 1) ? "unknown" : text(1);
+      const bool ended_before = text(2) == "t";
+      const std::string runner = text(3);
+      sync_wait = text(4) == "SyncRep" && runner == std::to_string(backend_pid);
       if (ours) return WriteStatus::ok;
       if (status == "aborted" || status == "future") {
         not_committed = status == "aborted" ? "rolled back" : "absent from this primary's history";
         break;
       }
-      // In progress (finishing, or waiting for a synchronous standby), or committed while the
-      // statement's snapshot predates it: ask again.
+      // Our COMMIT writes the completion with our token; an id that committed before this read
+      // without it there is another transaction's: this server reassigned the id (a standby
+      // promoted without our WAL), and ours is not in its history.
+      if (status == "committed" && ended_before) {
+        not_committed = "its id was reassigned on this primary and committed without this transaction's record";
+        break;
+      }
+      // Running on a backend that is not the one ours ran on: another transaction holds the id.
+      if (status == "in progress" && !runner.empty() && backend_pid != 0 && runner != std::to_string(backend_pid)) {
+        not_committed = "its id was reassigned on this primary to a transaction of backend " + runner;
+        break;
+      }
+      // In progress on our backend (finishing, or waiting for a synchronous standby), or committed
+      // after the statement's snapshot: ask again.
       seen = status == "in progress" && sync_wait ? "committed on the primary, waiting for a synchronous standby"
                                                   : "transaction " + status;
     } catch (const connection_error& e) {

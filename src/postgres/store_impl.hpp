@@ -216,9 +216,10 @@ class StoreImpl {
   // settle.cpp: the outcome of a transactional COMMIT whose answer was lost (`why`, `code`), read
   // on fresh sessions within settle_wait: ok when it committed; connection_error (retryable) when
   // it did not; outcome_unknown_error (or durability_error while a synchronous standby is awaited)
-  // when that cannot be told in time.
-  WriteStatus settle_commit(std::string_view key, const Holder& h, const std::string& xid, const std::string& why,
-                            const std::string& code);
+  // when that cannot be told in time. `xid` (xid8 text) and `backend_pid` are the transaction's
+  // id and the server process it ran on.
+  WriteStatus settle_commit(std::string_view key, const Holder& h, const std::string& xid, int backend_pid,
+                            const std::string& why, const std::string& code);
 
   // transaction.cpp
   PostgresStore::Transaction begin(std::string_view key, const AcquireParams& ap);

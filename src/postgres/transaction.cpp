@@ -3,6 +3,7 @@
 // COMMIT, so the record and the handler's writes commit together or not at all.
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <utility>
@@ -66,11 +67,11 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
     const bool sent =
         PQsendQueryParams(c, begin_sql.c_str(), 0, nullptr, nullptr, nullptr, nullptr, 0) == 1 &&
         send_statement(c, kAcquire, p) == 1 &&
-        PQsendQueryParams(c, "SELECT pg_current_xact_id_if_assigned()::text", 0, nullptr, nullptr, nullptr, nullptr,
-                          0) == 1 &&
+        PQsendQueryParams(c, "SELECT pg_current_xact_id_if_assigned()::text, pg_backend_pid()", 0, nullptr, nullptr,
+                          nullptr, nullptr, 0) == 1 &&
         PQpipelineSync(c) == 1;
-    // The claim's transaction id (assigned by its write) rides along: a COMMIT whose answer is
-    // lost is settled by asking the server what became of it (settle.cpp).
+    // The claim's transaction id (assigned by its write) and its server process ride along: a
+    // COMMIT whose answer is lost is settled by asking the server what became of it (settle.cpp).
     std::array<PostgresResult, 3> res;
     const bool complete = sent && read_pipeline(c, res.data(), res.size());
     PQexitPipelineMode(c);
@@ -109,8 +110,10 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
     client.pool().checkin(std::move(conn), true);  // rolls back
     return tx;
   }
-  if (const PGresult* x = ResultAccess::native(res_xid); result_ok(x) && PQntuples(x) == 1 && !PQgetisnull(x, 0, 0))
+  if (const PGresult* x = ResultAccess::native(res_xid); result_ok(x) && PQntuples(x) == 1 && !PQgetisnull(x, 0, 0)) {
     tx.xid_ = PQgetvalue(x, 0, 0);
+    tx.server_pid_ = std::atoi(PQgetvalue(x, 0, 1));
+  }
   tx.conn_ = std::move(conn);
   tx.key_ = std::string(key);
   tx.fingerprint_ = std::string(ap.fingerprint);
@@ -138,6 +141,7 @@ PostgresStore::Transaction& PostgresStore::Transaction::operator=(Transaction&& 
     owner_ = std::move(o.owner_);
     outbox_sent_ = o.outbox_sent_;
     xid_ = std::move(o.xid_);
+    server_pid_ = o.server_pid_;
   }
   return *this;
 }
@@ -148,7 +152,10 @@ void PostgresStore::Transaction::release(bool healthy) noexcept {
   if (conn_) store_->client.pool().checkin(std::move(conn_), healthy);  // checkin rolls back
 }
 
-int PostgresStore::Transaction::backend_pid() const noexcept { return conn_ ? PQbackendPID(conn_->pg) : 0; }
+int PostgresStore::Transaction::backend_pid() const noexcept {
+  if (!conn_) return 0;
+  return server_pid_ != 0 ? server_pid_ : PQbackendPID(conn_->pg);
+}
 
 PostgresResult PostgresStore::Transaction::exec_params(std::string_view sql, const detail::TextParam* params,
                                                        std::size_t n) {
@@ -216,12 +223,13 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
   }
   std::string m = detail::first_line(r1 && PQresultErrorMessage(r1)[0] ? PQresultErrorMessage(r1) : PQerrorMessage(c));
   const bool sync_cut = conn_->sync_cancelled;
+  const int pid = server_pid_;
   release(false);
   if (!sent && r0 == nullptr && healthy)
     throw connection_error(fmt::format("idem: postgres commit could not be sent: {}", m), "08006", true);
   // The answer is lost, not the transaction: read what became of it rather than guess.
   if (sync_cut) detail::throw_sync_cancelled("commit");
-  return store_->settle_commit(key_, decision_.holder, xid_, m, code1.empty() ? "08006" : code1);
+  return store_->settle_commit(key_, decision_.holder, xid_, pid, m, code1.empty() ? "08006" : code1);
 }
 
 WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {

@@ -162,6 +162,10 @@ TEST_CASE("http endpoint: a 4xx is stored, a 5xx and an exception release the ke
   CHECK(f.answer(post("\"c\""), 402, "declined").status == 402);
   CHECK(f.answer(post("\"c\""), 201).header("Idempotent-Replayed") == "true");
   CHECK(f.answer(post("\"s\""), 503, "down").status == 503);
+  // The released record says why (not "non-std exception"): inspect shows it to an operator.
+  const auto released = f.store.inspect(f.endpoint.options().key_prefix + "s");
+  REQUIRE(released);
+  CHECK_THAT(released->error, Catch::Contains("status 503") && Catch::Contains("store_server_errors"));
   CHECK(f.answer(post("\"s\""), 201).status == 201);  // ran again
   CHECK(f.runs == 3);
   const Response thrown =

@@ -78,7 +78,7 @@ class Pair {
     std::getline(in, s);
     return s;
   }
-  // kill-primary, promote or attach; the seconds it took.
+  // kill-primary, promote, attach, stop-standby or start-standby; the seconds it took.
   double step(const char* cmd) {
     const auto t0 = Clock::now();
     REQUIRE(run_pair({cmd, state_}) == 0);

@@ -12,12 +12,14 @@
 #                                            streams (and, in sync mode, is the synchronous standby)
 #   pg_pair.sh stop-standby STATE_DIR        stops the standby (SIGINT to its postmaster, by PID): in sync mode
 #                                            commits then wait for a standby that is not there
+#   pg_pair.sh start-standby STATE_DIR       starts the stopped standby again on its port (it does not wait
+#                                            for it to stream: the primary may be gone)
 #   pg_pair.sh stop STATE_DIR                stops every node by the PID in its postmaster.pid, removes the data
 # sync: synchronous_standby_names = '*' and synchronous_commit = on, so a commit is acknowledged only
 # once a standby has flushed it. A server that cannot start is an error (exit 1), never a skip.
 set -eu
 
-usage="usage: pg_pair.sh start|kill-primary|promote|attach|stop-standby|stop STATE_DIR [sync|async]"
+usage="usage: pg_pair.sh start|kill-primary|promote|attach|stop-standby|start-standby|stop STATE_DIR [sync|async]"
 cmd=${1:?$usage}
 state=${2:?$usage}
 
@@ -231,6 +233,11 @@ stop-standby)
     [ $i -ge 100 ] && die "the standby's processes did not exit in 10 s: $pids"
     sleep 0.1
   done
+  ;;
+start-standby)
+  s=$(other "$(cat "$state/primary")")
+  [ -z "$(node_pids "$s")" ] || die "the standby (slot $s) is already running"
+  pg_start "$s" "$(cat "$state/$s.port")" || { node_log "$s"; die "the standby (slot $s) did not start again"; }
   ;;
 stop)
   [ -f "$state/base" ] || exit 0

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <memory>
@@ -277,4 +278,97 @@ TEST_CASE("postgres ha: a COMMIT cut short by the primary's failure is settled o
   CHECK(now.scalar("SELECT count(*) FROM " + t) == "0");
   pair.step("attach");  // a synchronous primary's writes wait for a standby
   CHECK(s.acquire(k, ap(4)).status == AcquireStatus::acquired);
+}
+
+// The hole of a transaction id alone: a standby promoted without the WAL of our transaction hands
+// that same id (epoch included) to its own next transactions. Here the standby is stopped before
+// the claim, so it never sees our id; the primary dies inside our COMMIT; the standby comes back
+// and is promoted, and other transactions run on it until one of them has committed under our
+// id. Only then can the store reach the new primary (a proxy refuses it meanwhile): the lost
+// COMMIT must be answered "not committed" at once, not "unknown" after settle_wait.
+TEST_CASE("postgres ha: a lost COMMIT whose transaction id the promoted standby reassigned is settled as not committed",
+          "[postgres][failover][ha]") {
+  Pair pair("sync");
+  idem::test::TcpProxy to_b(std::stoi(pair.read("b.port")));
+  const std::string ci = "host=127.0.0.1,127.0.0.1 port=" + pair.read("a.port") + "," + std::to_string(to_b.port()) +
+                         " user=postgres dbname=postgres target_session_attrs=read-write connect_timeout=5";
+  auto o = config(ci, idem::PostgresMode::transactional);
+  o.store.table = "reused_" + pgtest::random_hex(6);
+  o.client.settle_wait = 10s;
+  idem::PostgresStore s(o.client, o.store);
+  REQUIRE_FALSE(s.inspect(key("warm-up")).has_value());
+  pgtest::Raw raw(pair.conninfo("a.conninfo"));
+  const std::string t = pgtest::slow_commit_table(raw, 30);  // committed on both nodes (synchronous)
+  const std::string effects = "effects_" + pgtest::random_hex(8);
+  raw.exec("CREATE TABLE " + effects + " (key text PRIMARY KEY)");
+  pair.step("stop-standby");  // from here on, nothing the primary writes reaches the standby
+
+  const auto k = key("reused");
+  auto tx = s.begin(k, ap(5));
+  REQUIRE(tx.decision().status == AcquireStatus::acquired);
+  const int pid = tx.backend_pid();
+  const std::string xid = raw.scalar("SELECT backend_xid FROM pg_stat_activity WHERE pid = " + std::to_string(pid));
+  REQUIRE_FALSE(xid.empty());
+  tx.exec("INSERT INTO " + t + " VALUES (1)");
+  std::string reused_status, burned;
+  Clock::time_point opened{};
+  bool sleeping = false;
+  std::thread fail_over([&] {
+    sleeping = pgtest::backend_waits(raw, pid, "PgSleep");  // inside COMMIT, before its commit record
+    to_b.refuse(true);
+    pair.step("kill-primary");
+    pair.step("start-standby");
+    pair.step("promote");
+    // Other clients' transactions on the new primary, committed without waiting for a standby,
+    // until one of them got our transaction's id.
+    pgtest::Raw other(pair.conninfo("b.conninfo"));
+    other.exec("SET synchronous_commit = local");
+    const auto target = std::stoull(xid);
+    int n = 0;
+    for (std::uint64_t got = 0; got < target && n < 100000; ++n) got = std::stoull(other.scalar("SELECT pg_current_xact_id()::text"));
+    burned = std::to_string(n);
+    reused_status = other.scalar("SELECT pg_xact_status('" + xid + "'::xid8)");
+    opened = Clock::now();
+    to_b.refuse(false);
+  });
+  std::exception_ptr thrown;
+  try {
+    (void)tx.commit("never", 60s);
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  const auto settled = Clock::now();
+  fail_over.join();
+  const double after_open = std::chrono::duration<double>(settled - opened).count();
+  std::printf("xid %s reassigned on the new primary (%s transactions, status there: %s); settled %.3f s after the "
+              "store could reach it\n",
+              xid.c_str(), burned.c_str(), reused_status.c_str(), after_open);
+  CHECK(sleeping);
+  CHECK(reused_status == "committed");
+  CHECK(after_open < 2.0);  // well under settle_wait (10 s): the answer is known at the first read
+  REQUIRE(thrown);
+  try {
+    std::rethrow_exception(thrown);
+  } catch (const idem::connection_error& e) {
+    INFO(e.what());
+    CHECK(e.retryable());
+    CHECK_THAT(std::string(e.what()), Catch::Contains("did not commit") && Catch::Contains("reassigned"));
+  } catch (const std::exception& x) {
+    FAIL("expected a retryable connection_error saying it did not commit, got: " << x.what());
+  }
+  CHECK_FALSE(s.inspect(k).has_value());
+  // The redelivery runs the handler once, and its copy after that is a duplicate.
+  pair.step("attach");  // a synchronous primary's writes wait for a standby
+  idem::IdempotencyGuard g(s);
+  int ran = 0;
+  for (int i = 0; i < 2; ++i) {
+    const auto out = g.run(k, [&](const auto& ctx) {
+      ++ran;
+      ctx.tx->exec("INSERT INTO " + effects + " VALUES ($1)", k);
+      return std::string("charged");
+    });
+    CHECK(out.status == (i == 0 ? idem::Status::executed : idem::Status::duplicate));
+  }
+  CHECK(ran == 1);
+  CHECK(pgtest::Raw(pair.conninfo()).scalar("SELECT count(*) FROM " + effects) == "1");
 }

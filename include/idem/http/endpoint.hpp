@@ -78,9 +78,13 @@ inline Response problem(const HttpOptions& o, int status, std::string_view kind,
 namespace detail {
 
 // Thrown through the guard for a handler answer that must not be stored: the guard releases the
-// key (and rolls a transaction back), and handle() sends the answer as it is.
-struct not_stored {
+// key (and rolls a transaction back), and handle() sends the answer as it is. what() is the reason
+// the store records with the released key (inspect shows it).
+struct not_stored : std::exception {
+  not_stored(Response r, std::string why) : response(std::move(r)), reason(std::move(why)) {}
+  [[nodiscard]] const char* what() const noexcept override { return reason.c_str(); }
   Response response;
+  std::string reason;
 };
 
 inline bool never_stored(std::string_view name) {
@@ -163,10 +167,19 @@ class Endpoint {
     std::vector<Header> unstored;  // headers the first caller gets but retries do not (Set-Cookie, ...)
     auto run = [&](const context_type& ctx) -> detail::Stored {
       Response r = call(handler, req, ctx);
-      if (!storable(r.status)) throw detail::not_stored{std::move(r)};
+      if (!storable(r.status)) {
+        const bool server = r.status >= 500;
+        std::string why = fmt::format("idem::http: the handler answered status {}, which is not stored "
+                                      "(HttpOptions::store_{}_errors is off): the key is released for a retry",
+                                      r.status, server ? "server" : "client");
+        throw detail::not_stored(std::move(r), std::move(why));
+      }
       unstored = strip(r);
       if (encoded_size(r) > o_.max_stored_response_bytes) {
-        if (transactional_) throw detail::not_stored{too_large(r)};  // rolls back: no effect without its answer
+        if (transactional_)  // rolls back: no effect without its answer
+          throw detail::not_stored(too_large(r), fmt::format("idem::http: the response ({} bytes) is over "
+                                                             "max_stored_response_bytes ({}); rolled back, not stored",
+                                                             encoded_size(r), o_.max_stored_response_bytes));
         ran = r;  // the guard completes the key without it; this caller still gets it
         ran->headers.insert(ran->headers.end(), unstored.begin(), unstored.end());
       }

@@ -157,6 +157,7 @@ class PostgresStore {
     AcquireResult decision_;
     std::string key_, fingerprint_, owner_;
     std::string xid_;                // the transaction's id (pg_current_xact_id), to settle a lost COMMIT
+    int server_pid_ = 0;             // pg_backend_pid() of its server session (not libpq's: a pooler's is its own)
     std::uint32_t outbox_sent_ = 0;  // messages sent through outbox(): the next one's index
   };
 
