@@ -81,17 +81,28 @@ std::exception_ptr cancelled(pgtest::Raw& raw, F&& commit) {
   return thrown;
 }
 
-void check_durability(const std::exception_ptr& e) {
+// `e` holds a retryable E whose text has `what` and `why`.
+template <class E>
+void check_thrown(const std::exception_ptr& e, const char* what, const char* why = "") {
   REQUIRE(e);
   try {
     std::rethrow_exception(e);
-  } catch (const idem::durability_error& d) {
-    INFO(d.what());
-    CHECK(d.retryable());
-    CHECK(std::string(d.what()).find("committed on the primary") != std::string::npos);
+  } catch (const E& x) {
+    INFO(x.what());
+    CHECK(x.retryable());
+    CHECK_THAT(std::string(x.what()), Catch::Contains(what) && Catch::Contains(why));
   } catch (const std::exception& x) {
-    FAIL("expected durability_error, got: " << x.what());
+    FAIL("expected a retryable " << what << " error, got: " << x.what());
   }
+}
+
+// A write whose synchronous wait was cut: committed on the primary only.
+void check_durability(const std::exception_ptr& e) { check_thrown<idem::durability_error>(e, "committed on the primary"); }
+
+// A COMMIT settled as not committed (and `why`, when given): nothing was written, a redelivery
+// runs the message again.
+void check_not_committed(const std::exception_ptr& e, const char* why = "") {
+  check_thrown<idem::connection_error>(e, "did not commit", why);
 }
 
 // Collects a client's advisories.
@@ -262,16 +273,7 @@ TEST_CASE("postgres ha: a COMMIT cut short by the primary's failure is settled o
   std::printf("COMMIT cut short: primary killed + standby promoted in %.2f s, settled after %.2f s\n", failover,
               settled);
   CHECK(sleeping);
-  REQUIRE(thrown);
-  try {
-    std::rethrow_exception(thrown);
-  } catch (const idem::connection_error& e) {
-    INFO(e.what());
-    CHECK(e.retryable());  // nothing was written: a redelivery runs the message again
-    CHECK_THAT(std::string(e.what()), Catch::Contains("did not commit"));
-  } catch (const std::exception& x) {
-    FAIL("expected a retryable connection_error saying it did not commit, got: " << x.what());
-  }
+  check_not_committed(thrown);
   // On the new primary: neither the record nor the handler's write, and the key can be claimed.
   CHECK_FALSE(s.inspect(k).has_value());
   pgtest::Raw now(pair.conninfo());
@@ -346,16 +348,7 @@ TEST_CASE("postgres ha: a lost COMMIT whose transaction id the promoted standby 
   CHECK(sleeping);
   CHECK(reused_status == "committed");
   CHECK(after_open < 2.0);  // well under settle_wait (10 s): the answer is known at the first read
-  REQUIRE(thrown);
-  try {
-    std::rethrow_exception(thrown);
-  } catch (const idem::connection_error& e) {
-    INFO(e.what());
-    CHECK(e.retryable());
-    CHECK_THAT(std::string(e.what()), Catch::Contains("did not commit") && Catch::Contains("reassigned"));
-  } catch (const std::exception& x) {
-    FAIL("expected a retryable connection_error saying it did not commit, got: " << x.what());
-  }
+  check_not_committed(thrown, "reassigned");
   CHECK_FALSE(s.inspect(k).has_value());
   // The redelivery runs the handler once, and its copy after that is a duplicate.
   pair.step("attach");  // a synchronous primary's writes wait for a standby
