@@ -429,7 +429,8 @@ struct Consumer::Impl {
     } catch (...) {
       // A Processor should not throw; if it does, nothing is known: retry the whole batch.
       log("kafka: the processor threw: the batch is retried");
-      for (Verdict& v : verdicts) v = {.action = BrokerAction::requeue, .retry_after = millis{1'000}};
+      const millis wait = idem::verdict(std::current_exception()).delay;
+      for (Verdict& v : verdicts) v = {.action = BrokerAction::requeue, .retry_after = wait};
     }
     // Counted before settling: the handlers after a retry in this batch ran too.
     for (const Verdict& v : verdicts) count(v);

@@ -340,7 +340,10 @@ void NatsConsumer::settle(std::span<const NatsDecision> decisions) {
 
 void NatsConsumer::release() noexcept { impl_->release(); }
 
-NatsDecision NatsConsumer::decide(const std::exception_ptr& e) { return {action_of(e), detail::reason_of(e), millis{0}}; }
+NatsDecision NatsConsumer::decide(const std::exception_ptr& e, const RetryPolicy& retry) {
+  Verdict v = verdict(e, retry);
+  return {v.action, std::move(v.reason), v.delay};
+}
 
 NatsConsumerStats NatsConsumer::stats() const noexcept {
   NatsConsumerStats s = impl_->stats;

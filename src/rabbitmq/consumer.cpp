@@ -50,10 +50,7 @@ RabbitConsumerOptions checked(RabbitConsumerOptions o) {
   if (o.host.empty()) bad("host", "is empty");
   if (o.port < 1 || o.port > 65535) bad("port", fmt::format("is {}; use 1..65535", o.port));
   if (o.prefetch == 0) bad("prefetch", "is 0 (unlimited): give a bound, e.g. 50");
-  if (o.requeue_min.count() < 0 || o.requeue_max < o.requeue_min)
-    bad("requeue_max", fmt::format("({} ms) must be at least requeue_min ({} ms), both >= 0", o.requeue_max.count(),
-                                   o.requeue_min.count()));
-  if (o.store_retry.count() < 0) bad("store_retry", "is negative");
+  detail::check_retry(o.retry, "RabbitConsumerOptions::retry");
   if (o.connect_timeout.count() < 1) bad("connect_timeout", "must be positive");
   if (o.heartbeat_s < 0) bad("heartbeat_s", "is negative");
   return o;
@@ -245,19 +242,9 @@ RabbitConsumer::~RabbitConsumer() = default;
 std::optional<RabbitDelivery> RabbitConsumer::next(millis wait) { return impl_->next(wait); }
 void RabbitConsumer::settle(const RabbitDelivery& d, const RabbitDecision& decision) { impl_->settle(d, decision); }
 
-millis RabbitConsumer::bounded(millis retry_after) const noexcept {
-  return std::clamp(retry_after, impl_->opt.requeue_min, impl_->opt.requeue_max);
-}
-
 RabbitDecision RabbitConsumer::decide(const std::exception_ptr& e) const {
-  RabbitDecision d{action_of(e), impl_->opt.requeue_min};
-  try {
-    std::rethrow_exception(e);
-  } catch (const error& x) {
-    if (!x.from_handler()) d.delay = impl_->opt.store_retry;  // the store failed closed: give it time
-  } catch (...) {
-  }
-  return d;
+  const Verdict v = verdict(e, impl_->opt.retry);
+  return {v.action, v.delay};
 }
 
 RabbitConsumerStats RabbitConsumer::stats() const noexcept {

@@ -197,7 +197,10 @@ void StreamsConsumer::settle(std::span<const StreamEntry> entries, std::span<con
   impl_->stats.acked += acks;
 }
 
-StreamDecision StreamsConsumer::decide(const std::exception_ptr& e) { return {action_of(e), detail::reason_of(e)}; }
+StreamDecision StreamsConsumer::decide(const std::exception_ptr& e) {
+  Verdict v = verdict(e);
+  return {v.action, std::move(v.reason)};
+}
 
 StreamsConsumerStats StreamsConsumer::stats() const noexcept { return impl_->stats; }
 const StreamsConsumerOptions& StreamsConsumer::options() const noexcept { return impl_->opt; }

@@ -189,7 +189,9 @@ TEST_CASE("http endpoint: a request while the first runs answers 409 with Retry-
   release = true;
   first.join();
   CHECK(busy.status == 409);
-  CHECK(busy.header("Retry-After") == "2");
+  // The 2 s lease left, spread by up to half again (idem::verdict), in whole seconds.
+  const auto retry_after = busy.header("Retry-After");
+  CHECK((retry_after == "2" || retry_after == "3"));
   CHECK(f.answer(post("\"busy\"")).body == "done");
 }
 

@@ -273,9 +273,9 @@ TEST_CASE("pgbouncer transaction mode: two stores on different tables never answ
   // in progress until its lease ends).
   pgtest::Raw raw;
   const std::string qa = "idem_test." + oa.store.table, qb = "idem_test." + ob.store.table;
-  const auto foreign = [&](const std::string& table, const char* owner, const char* prefix) {
+  const auto foreign = [&](const std::string& table, const char* owner, const char* result_prefix) {
     return raw.scalar("SELECT count(*) FROM " + table + " WHERE owner <> '" + owner +
-                      "' OR (state = 2 AND convert_from(result, 'UTF8') NOT LIKE '" + prefix + "%')");
+                      "' OR (state = 2 AND convert_from(result, 'UTF8') NOT LIKE '" + result_prefix + "%')");
   };
   CHECK(foreign(qa, "svc-a", "A:") == "0");
   CHECK(foreign(qb, "svc-b", "B:") == "0");

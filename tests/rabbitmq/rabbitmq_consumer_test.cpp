@@ -86,7 +86,7 @@ idem::RabbitConsumerOptions options(int port, const std::string& queue) {
   o.port = port;
   o.queue = queue;
   o.prefetch = 20;
-  o.requeue_max = 300ms;
+  o.retry.cap = 300ms;
   return o;
 }
 
@@ -107,9 +107,9 @@ TEST_CASE("RabbitConsumer: bad options are refused at construction, naming the f
   o.prefetch = 0;
   refused(o, "prefetch");
   o.prefetch = 10;
-  o.requeue_max = 1ms;
-  o.requeue_min = 5ms;
-  refused(o, "requeue_max");
+  o.retry.cap = 1ms;
+  o.retry.base = 5ms;
+  refused(o, "retry");
 }
 
 TEST_CASE("RabbitConsumer: two consumers, duplicates and a poison message: every payment once, dead letters once") {

@@ -1,5 +1,5 @@
 #pragma once
-// Per-acquisition tokens: 64 random bits, never zero, with no lock on the hot path.
+// Per-acquisition tokens: 64 random bits, never zero, with no lock on the hot path; and jittered waits.
 
 #include <chrono>
 #include <cstdint>
@@ -31,6 +31,15 @@ inline std::uint64_t random_token() {
   do t = splitmix64(state);
   while (t == 0);
   return t;
+}
+
+// A uniform wait in [0, w] from `entropy` (full jitter; w itself when `jitter` is false), so that
+// clients that failed together do not all retry at the same instant.
+template <class Duration>
+Duration jittered(Duration w, bool jitter = true, std::uint64_t entropy = random_token()) noexcept {
+  if (w.count() <= 0) return Duration{0};
+  if (!jitter) return w;
+  return Duration{static_cast<typename Duration::rep>(entropy % (static_cast<std::uint64_t>(w.count()) + 1))};
 }
 
 }  // namespace idem::detail

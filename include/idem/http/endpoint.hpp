@@ -19,6 +19,7 @@
 #include "idem/core/outcome.hpp"
 #include "idem/core/store.hpp"
 #include "idem/guard/guard.hpp"
+#include "idem/guard/verdict.hpp"
 #include "idem/http/key.hpp"
 #include "idem/http/message.hpp"
 
@@ -50,6 +51,9 @@ struct HttpOptions {
   std::string replay_header = "Idempotent-Replayed";
   /// Prefix of the problem+json "type" URIs (followed by missing-key, key-in-use, ...).
   std::string problem_type_prefix = "urn:idem:http:";
+  /// The Retry-After of a 409 (request in progress) and a 503 (store unavailable): idem::verdict's
+  /// delay, jittered, in whole seconds (at least 1).
+  RetryPolicy retry;
 };
 
 /// A problem+json (RFC 9457) response: `kind` completes the type URI, `detail` says what to do.
@@ -131,6 +135,7 @@ class Endpoint {
     if (o_.max_stored_response_bytes == 0)
       throw invalid_options_error("idem::http: max_stored_response_bytes is 0; responses could never be replayed");
     if (o_.replay_header.empty()) throw invalid_options_error("idem::http: replay_header is empty; name a header");
+    idem::detail::check_retry(o_.retry, "HttpOptions::retry");
     if constexpr (TransactionalStore<Store>) {
       if constexpr (requires {
                       { guard.store().transactional() } -> std::convertible_to<bool>;
@@ -206,7 +211,7 @@ class Endpoint {
         return problem(o_, 500, "internal-error", "Internal Server Error", "the request failed on the server");
       Response r = problem(o_, 503, "store-unavailable", "Service Unavailable",
                            "the idempotency store is unavailable; retry the same request with the same key");
-      r.set("Retry-After", "1");
+      r.set("Retry-After", detail::seconds_up(verdict(std::current_exception(), o_.retry).delay));
       return r;
     } catch (const std::exception&) {
       return problem(o_, 500, "internal-error", "Internal Server Error",
@@ -296,7 +301,7 @@ class Endpoint {
       case Status::in_flight: {
         Response r = problem(o_, 409, "key-in-use", "Request in progress",
                              "a request with this Idempotency-Key is still being processed; retry after Retry-After");
-        r.set("Retry-After", detail::seconds_up(out.retry_after));
+        r.set("Retry-After", detail::seconds_up(verdict(out, o_.retry).delay));
         return r;
       }
       case Status::mismatch:

@@ -21,6 +21,7 @@
 #include "idem/core/outcome.hpp"
 #include "idem/guard/batch.hpp"
 #include "idem/guard/guard.hpp"
+#include "idem/guard/verdict.hpp"
 
 namespace idem::kafka {
 
@@ -80,6 +81,8 @@ struct GuardedOptions {
   bool fingerprint = true;
   /// Accept a guard with FailureMode::release, whose poison messages are retried for ever.
   bool allow_release = false;
+  /// How long a requeued message's partition waits before the seek back (idem::verdict).
+  RetryPolicy retry;
 };
 
 /// A Processor over a guard: key_of(message) is the idempotency key, handler(message[, ctx]) the effect.
@@ -92,7 +95,8 @@ class GuardedProcessor final : public Processor {
         dlq_guard_(guard.store(), dead_letter_options(guard.options())),
         key_of_(std::move(key_of)),
         handler_(std::move(handler)),
-        fingerprint_(options.fingerprint) {}
+        fingerprint_(options.fingerprint),
+        retry_((detail::check_retry(options.retry, "kafka::GuardedOptions::retry"), options.retry)) {}
 
   /// guard.run_batch over the batch; a verdict per message.
   void process(std::span<const Message> batch, std::span<Verdict> verdicts) override {
@@ -141,10 +145,12 @@ class GuardedProcessor final : public Processor {
         case BrokerAction::dead_letter:
           break;
       }
-      return {.retry_after = millis{30'000}, .error = fmt::format("dead-letter key: {}", to_string(out.status))};
+      // The letter's own key failed for good: no retry will write it soon.
+      return {.retry_after = detail::jittered(retry_.cap),
+              .error = fmt::format("dead-letter key: {}", to_string(out.status))};
     } catch (const std::exception& e) {
       // The write failed (its key was released: see dead_letter_options) or the store did.
-      return {.retry_after = millis{1'000}, .error = e.what()};
+      return {.retry_after = verdict(std::current_exception(), retry_).delay, .error = e.what()};
     }
   }
 
@@ -169,35 +175,21 @@ class GuardedProcessor final : public Processor {
 
   static std::string coordinates(const Message& m) { return fmt::format("{}/{}@{}", m.topic, m.partition, m.offset); }
 
+  static Verdict of(idem::Verdict v) {
+    return {.action = v.action, .status = v.status, .handler_failed = v.handler_failed, .retry_after = v.delay,
+            .reason = std::move(v.reason)};
+  }
+
   template <class Out>
   Verdict from_outcome(const Out& out, const Message& m, const std::string& key) const {
-    Verdict v{.action = out.action(), .status = out.status};
-    if (out.status == Status::in_flight) v.retry_after = out.retry_after;
-    if (v.action == BrokerAction::dead_letter) {
-      // Keyed on the payload too: each distinct payload reusing a key is its own dead letter.
-      v.reason = out.status == Status::mismatch ? "payload differs from the first delivery of this key"
-                                                : "failed permanently: " + out.error;
-      v.dead_letter_key = key + ":" + fingerprint(m.value);
-    }
+    Verdict v = of(verdict(out, retry_));
+    // Keyed on the payload too: each distinct payload reusing a key is its own dead letter.
+    if (v.action == BrokerAction::dead_letter) v.dead_letter_key = key + ":" + fingerprint(m.value);
     return v;
   }
 
-  static Verdict from_error(const std::exception_ptr& e, const Message& m) {
-    Verdict v{.action = action_of(e)};
-    try {
-      std::rethrow_exception(e);
-    } catch (const error& x) {
-      v.reason = x.what();
-      v.handler_failed = x.from_handler();
-      // A store error may pass soon; an unreadable record will not.
-      if (!x.from_handler()) v.retry_after = x.retryable() ? millis{1'000} : millis{30'000};
-    } catch (const std::exception& x) {
-      v.reason = x.what();
-      v.handler_failed = true;
-    } catch (...) {
-      v.reason = "unknown exception";
-      v.handler_failed = true;
-    }
+  Verdict from_error(const std::exception_ptr& e, const Message& m) const {
+    Verdict v = of(verdict(e, retry_));
     // No redelivery can help (a bad key): keyed on where the message is, as it has no usable key.
     if (v.action == BrokerAction::dead_letter) v.dead_letter_key = coordinates(m);
     return v;
@@ -208,6 +200,7 @@ class GuardedProcessor final : public Processor {
   KeyOf key_of_;
   Handler handler_;
   bool fingerprint_;
+  RetryPolicy retry_;
 };
 
 /// Builds a GuardedProcessor, deducing its types.

@@ -19,6 +19,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/detail/consume_loop.hpp"
+#include "idem/guard/verdict.hpp"
 
 namespace idem {
 
@@ -107,19 +108,18 @@ public:
   /// not settled is redelivered after AckWait).
   void settle(std::span<const NatsDecision> decisions);
 
-  /// The decision for a guard's outcome: its broker action; in_flight waits the outcome's
-  /// retry_after; previously_failed or mismatch becomes a dead letter that says why.
+  /// The decision for a guard's outcome (idem::verdict under `retry`): its broker action; in_flight
+  /// waits the outcome's retry_after, jittered; previously_failed or mismatch becomes a dead letter
+  /// that says why.
   template <class Outcome>
-  static NatsDecision decide(const Outcome& out) {
-    NatsDecision d{out.action(), {}, millis{0}};
-    if (out.status == Status::in_flight) d.delay = out.retry_after;
-    if (out.status == Status::previously_failed) d.reason = out.error.empty() ? "previously failed" : out.error;
-    if (out.status == Status::mismatch) d.reason = "the key was reused with a different payload";
-    return d;
+  static NatsDecision decide(const Outcome& out, const RetryPolicy& retry = {}) {
+    Verdict v = verdict(out, retry);
+    return {v.action, std::move(v.reason), v.delay};
   }
-  /// The decision for a run that threw: idem::action_of (a store error or the handler's exception
-  /// requeues after nak_delay; its redelivery retries under the guard's failure policy).
-  static NatsDecision decide(const std::exception_ptr& e);
+  /// The decision for a run that threw (idem::verdict under `retry`): a store error requeues after
+  /// a jittered backoff, the handler's exception after a jittered `retry.base` (its redelivery
+  /// retries under the guard's failure policy); a bad key is a dead letter.
+  static NatsDecision decide(const std::exception_ptr& e, const RetryPolicy& retry = {});
 
   /// Until `stop`: poll, `handle(const NatsMessage&) -> NatsDecision` per message, settle. A
   /// retryable error (the server down) backs off up to 1 s and polls again; another is thrown

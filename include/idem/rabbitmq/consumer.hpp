@@ -15,6 +15,7 @@
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
 #include "idem/detail/consume_loop.hpp"
+#include "idem/guard/verdict.hpp"
 
 namespace idem {
 
@@ -31,9 +32,9 @@ struct RabbitConsumerOptions {
   /// `<queue>.dlx` routes to `<queue>.dlq`, and the delay queue `<queue>.delay` whose expired
   /// messages go back to `queue`. Off when your deployment declares them (same names expected).
   bool declare = true;
-  millis requeue_min{50};     ///< the shortest delay of a requeue (in_flight, a handler error)
-  millis requeue_max{1000};   ///< the longest (an in_flight answer's retry_after is the holder's whole lease)
-  millis store_retry{1000};   ///< the delay after a store error (the guard failed closed)
+  /// Requeue delays (idem::verdict). The cap is short by default: the delay queue expires messages
+  /// from its head only, so one long delay holds back every shorter one queued behind it.
+  RetryPolicy retry{.base = millis{50}, .cap = millis{1'000}};
   millis connect_timeout{5000};  ///< TCP connect and login
   int heartbeat_s = 30;       ///< AMQP heartbeat: a dead peer is noticed within about twice this
 };
@@ -89,14 +90,16 @@ public:
   /// Answers `d` (nothing when its connection has closed meanwhile: the broker requeued it).
   void settle(const RabbitDelivery& d, const RabbitDecision& decision);
 
-  /// The decision for a guard's outcome: its broker action; a requeue waits its retry_after,
-  /// bounded by requeue_min and requeue_max.
+  /// The decision for a guard's outcome (idem::verdict under options().retry): its broker action;
+  /// a requeue waits its retry_after, jittered, at most retry.cap.
   template <class Outcome>
   RabbitDecision decide(const Outcome& out) const {
-    return {out.action(), bounded(out.retry_after)};
+    const Verdict v = verdict(out, options().retry);
+    return {v.action, v.delay};
   }
-  /// The decision for a run that threw (idem::action_of): a store error waits store_retry, the
-  /// handler's exception requeue_min (the guard's failure policy counts the attempts).
+  /// The decision for a run that threw (idem::verdict under options().retry): a store error waits a
+  /// jittered backoff, the handler's exception a jittered retry.base (the guard's failure policy
+  /// counts the attempts); a bad key is a dead letter.
   RabbitDecision decide(const std::exception_ptr& e) const;
 
   /// Until `stop`: next(), `handle(const RabbitDelivery&) -> RabbitDecision`, settle(). A lost
@@ -117,7 +120,6 @@ public:
   [[nodiscard]] const RabbitConsumerOptions& options() const noexcept;
 
 private:
-  [[nodiscard]] millis bounded(millis retry_after) const noexcept;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -18,6 +18,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/detail/consume_loop.hpp"
+#include "idem/guard/verdict.hpp"
 #include "idem/redis/options.hpp"
 
 namespace idem {
@@ -92,14 +93,13 @@ public:
   /// (the entries stay pending and come back).
   void settle(std::span<const StreamEntry> entries, std::span<const StreamDecision> decisions);
 
-  /// The decision for a guard's outcome: its broker action; a previously_failed or mismatch answer
-  /// becomes a dead letter that says why.
+  /// The decision for a guard's outcome (idem::verdict): its broker action; a previously_failed or
+  /// mismatch answer becomes a dead letter that says why. A requeue leaves the entry pending: its
+  /// wait is claim_idle, not a delay.
   template <class Outcome>
   static StreamDecision decide(const Outcome& out) {
-    StreamDecision d{out.action(), {}};
-    if (out.status == Status::previously_failed) d.reason = out.error.empty() ? "previously failed" : out.error;
-    if (out.status == Status::mismatch) d.reason = "the key was reused with a different payload";
-    return d;
+    Verdict v = verdict(out);
+    return {v.action, std::move(v.reason)};
   }
   /// The decision for a run that threw: idem::action_of (a store error or the handler's exception
   /// leaves the entry pending; its redelivery retries it under the guard's failure policy).
