@@ -6,6 +6,8 @@
 #include <chrono>
 #include <filesystem>
 #include <memory>
+#include <stop_token>
+#include <string_view>
 #include <string>
 #include <thread>
 #include <vector>
@@ -105,4 +107,49 @@ TEST_CASE("an idem error thrown by the handler is the handler's, reported once",
   }
   CHECK(counter->store_errors() == 1);
   CHECK(counter->handler_errors() == 1);
+}
+
+// The one rule of the keeper thread and the async heartbeat (detail/lease_watch.hpp), step by step.
+TEST_CASE("lease watch: extended every lease / 3, lost when taken over or not extended for a whole lease",
+          "[guard][heartbeat]") {
+  using W = idem::detail::LeaseWatch;
+  const auto t0 = W::clock::now();
+  W w(900ms, t0);
+  CHECK(w.due() == t0 + 300ms);
+  CHECK(w.answered(idem::WriteStatus::ok, t0 + 300ms) == W::Event::extended);
+  CHECK(w.due() == t0 + 600ms);
+  // The store fails: tried again a period later, until a whole lease has passed since the last ok.
+  CHECK(w.failed(t0 + 600ms) == W::Event::failed);
+  CHECK(w.due() == t0 + 900ms);
+  CHECK_FALSE(w.lost());
+  CHECK(w.failed(t0 + 1100ms) == W::Event::failed);  // 800 ms since the last ok
+  CHECK(w.answered(idem::WriteStatus::ok, t0 + 1150ms) == W::Event::extended);  // back in time: kept
+  CHECK(w.failed(t0 + 2000ms) == W::Event::failed);
+  CHECK(w.failed(t0 + 2050ms) == W::Event::lost);  // 900 ms without a success
+  CHECK(w.lost());
+  W taken(900ms, t0);
+  CHECK(taken.answered(idem::WriteStatus::lease_lost, t0 + 300ms) == W::Event::lost);
+  CHECK(taken.lost());
+}
+
+TEST_CASE("lease watch: every event is reported the same way, and a lost lease fires the stop token",
+          "[guard][heartbeat]") {
+  struct Seen : idem::Observer {
+    int extended = 0, lost = 0, errors = 0;
+    void on_lease_extended(std::string_view, std::uint64_t) noexcept override { ++extended; }
+    void on_lease_lost(std::string_view, std::uint64_t) noexcept override { ++lost; }
+    void on_store_error(std::string_view, const std::exception&) noexcept override { ++errors; }
+  } seen;
+  std::stop_source stop;
+  const idem::connection_error down("down", "X", true);
+  using E = idem::detail::LeaseWatch::Event;
+  idem::detail::report(E::extended, &seen, "k", 1, nullptr, stop);
+  idem::detail::report(E::failed, &seen, "k", 1, &down, stop);
+  CHECK_FALSE(stop.stop_requested());
+  idem::detail::report(E::lost, &seen, "k", 1, &down, stop);
+  CHECK(stop.stop_requested());
+  CHECK(seen.extended == 1);
+  CHECK(seen.errors == 2);  // the async heartbeat reports an extension's error too (it swallowed it before)
+  CHECK(seen.lost == 1);
+  idem::detail::report(E::lost, nullptr, "k", 1, nullptr, stop);  // no observer: still stops
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/test_stores.hpp"
 #include "idem/idem.hpp"
 
 using namespace std::chrono_literals;
@@ -107,4 +108,27 @@ TEST_CASE("GuardedProcessor refuses a guard that would retry a poison message fo
   CHECK_THROWS_AS(idem::kafka::guarded(guard, key_of, handler), idem::invalid_options_error);
   auto p = idem::kafka::guarded(guard, key_of, handler, {.allow_release = true});
   CHECK(run(p, {msg(0, "a:1")})[0].status == Status::executed);
+}
+
+// The verdicts come from idem::verdict under GuardedOptions::retry: a store error requeues after a
+// jittered wait within its backoff (never the handler's failure), and the policy is checked.
+TEST_CASE("GuardedProcessor: a store error requeues after a jittered wait from GuardedOptions::retry",
+          "[kafka][processor]") {
+  idem::MemoryStore inner;
+  idem::test::FaultyStore store{inner};
+  idem::IdempotencyGuard<idem::test::FaultyStore> guard(store, idem::kafka::consumer_guard_options());
+  const idem::RetryPolicy retry{.base = 200ms, .cap = 5s};
+  auto p = idem::kafka::guarded(guard, key_of, [](const Message&) {}, {.retry = retry});
+  store.fail_acquire = true;
+  for (int i = 0; i < 20; ++i) {
+    const auto v = run(p, {msg(i, "s:1")});
+    CHECK(v[0].action == BrokerAction::requeue);
+    CHECK_FALSE(v[0].handler_failed);
+    CHECK(v[0].retry_after >= 0ms);
+    CHECK(v[0].retry_after <= retry.base);
+  }
+  store.fail_acquire = false;
+  CHECK(run(p, {msg(20, "s:1")})[0].status == Status::executed);
+  CHECK_THROWS_AS(idem::kafka::guarded(guard, key_of, [](const Message&) {}, {.retry = {.base = 2s, .cap = 1s}}),
+                  idem::invalid_options_error);
 }

@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
+#include <stdexcept>
 #include <map>
 #include <mutex>
 #include <random>
@@ -300,4 +302,37 @@ TEST_CASE("NatsConsumer: creates its stream when asked, and a message still requ
   REQUIRE(natsMsgHeader_Get(letter, "Idem-Reason", &reason) == NATS_OK);
   CHECK_THAT(std::string(reason), Catch::Contains("max_deliver (2) reached") && Catch::Contains("downstream refused"));
   natsMsg_Destroy(letter);
+}
+
+// What NatsConsumer::decide answers for every status and two kinds of exception: idem::verdict,
+// mapped to NakWithDelay's delay, the dead letter's reason and Term.
+TEST_CASE("NatsConsumer::decide: every status and exception through idem::verdict", "[nats]") {
+  auto out = [](idem::Status s, idem::millis retry_after = idem::millis{0}, std::string error = {}) {
+    idem::Outcome<void> o;
+    o.status = s;
+    o.retry_after = retry_after;
+    o.error = std::move(error);
+    return o;
+  };
+  for (auto s : {idem::Status::executed, idem::Status::duplicate, idem::Status::stale, idem::Status::lease_lost})
+    CHECK(idem::NatsConsumer::decide(out(s)).action == idem::BrokerAction::ack);
+  const auto busy = idem::NatsConsumer::decide(out(idem::Status::in_flight, 2s));
+  CHECK(busy.action == idem::BrokerAction::requeue);
+  CHECK(busy.delay >= 2s);
+  CHECK(busy.delay <= 3s);
+  const auto failed = idem::NatsConsumer::decide(out(idem::Status::previously_failed, 0s, "declined"));
+  CHECK(failed.action == idem::BrokerAction::dead_letter);
+  CHECK(failed.reason == idem::dead_letter_reason(idem::Status::previously_failed, "declined"));
+  CHECK(idem::NatsConsumer::decide(out(idem::Status::mismatch)).reason ==
+        idem::dead_letter_reason(idem::Status::mismatch));
+  const idem::RetryPolicy retry{.base = 100ms, .cap = 1s};
+  const auto handler = idem::NatsConsumer::decide(std::make_exception_ptr(std::runtime_error("boom")), retry);
+  CHECK(handler.action == idem::BrokerAction::requeue);
+  CHECK(handler.delay <= retry.base);
+  CHECK(handler.reason == "boom");
+  const auto store = idem::NatsConsumer::decide(std::make_exception_ptr(idem::connection_error("down", "X", true)), retry);
+  CHECK(store.action == idem::BrokerAction::requeue);
+  CHECK(store.delay <= retry.base);
+  CHECK(idem::NatsConsumer::decide(std::make_exception_ptr(idem::invalid_key_error("no key"))).action ==
+        idem::BrokerAction::dead_letter);
 }

@@ -5,6 +5,8 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <exception>
+#include <stdexcept>
 #include <map>
 #include <random>
 #include <set>
@@ -181,3 +183,28 @@ TEST_CASE("redis_streams_consumer template: a consumer SIGKILLed mid-run, every 
   CHECK(conn.integer({"XLEN", s + ":dlq"}) == 1);  // the poison payment, once
 }
 #endif
+
+// What StreamsConsumer::decide answers for every status and two kinds of exception: idem::verdict's
+// action and reason (a requeue leaves the entry pending: no delay).
+TEST_CASE("StreamsConsumer::decide: every status and exception through idem::verdict", "[redis][streams]") {
+  auto out = [](idem::Status s, std::string error = {}) {
+    idem::Outcome<void> o;
+    o.status = s;
+    o.error = std::move(error);
+    return o;
+  };
+  for (auto s : {idem::Status::executed, idem::Status::duplicate, idem::Status::stale, idem::Status::lease_lost})
+    CHECK(idem::StreamsConsumer::decide(out(s)).action == idem::BrokerAction::ack);
+  CHECK(idem::StreamsConsumer::decide(out(idem::Status::in_flight)).action == idem::BrokerAction::requeue);
+  const auto failed = idem::StreamsConsumer::decide(out(idem::Status::previously_failed, "declined"));
+  CHECK(failed.action == idem::BrokerAction::dead_letter);
+  CHECK(failed.reason == idem::dead_letter_reason(idem::Status::previously_failed, "declined"));
+  CHECK(idem::StreamsConsumer::decide(out(idem::Status::mismatch)).action == idem::BrokerAction::dead_letter);
+  CHECK(idem::StreamsConsumer::decide(std::make_exception_ptr(std::runtime_error("boom"))).action ==
+        idem::BrokerAction::requeue);
+  CHECK(idem::StreamsConsumer::decide(std::make_exception_ptr(idem::timeout_error("slow", "X", true))).action ==
+        idem::BrokerAction::requeue);
+  const auto bad = idem::StreamsConsumer::decide(std::make_exception_ptr(idem::invalid_key_error("no key")));
+  CHECK(bad.action == idem::BrokerAction::dead_letter);
+  CHECK(bad.reason == "no key");
+}

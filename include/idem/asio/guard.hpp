@@ -18,6 +18,7 @@
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include "idem/detail/lease_watch.hpp"
 #include "idem/guard/guard.hpp"
 
 namespace idem {
@@ -87,7 +88,8 @@ boost::asio::awaitable<WriteStatus> step_extend(Store& s, std::string_view key, 
 
 // The heartbeat of one async run: extends the lease every lease / 3 on the run's executor (no
 // thread of its own, so no blocking call ever waits for the loop it runs on). A lease taken over,
-// or not extended for a whole lease, fires the run's stop token.
+// or not extended for a whole lease, fires the run's stop token; an extension's error is reported
+// to on_store_error, as the keeper thread does.
 struct AsyncHeartbeat {
   bool done = false;
   std::unique_ptr<boost::asio::steady_timer> timer;
@@ -97,29 +99,30 @@ template <class Store>
 boost::asio::awaitable<void> keep_lease(Store& s, std::string key, Holder h, millis lease,
                                         std::shared_ptr<AsyncHeartbeat> hb, std::stop_source stop,
                                         std::shared_ptr<Observer> observer) {
-  auto last_ok = std::chrono::steady_clock::now();
-  while (!hb->done) {
-    hb->timer->expires_after(lease / 3);
+  // The keeper thread's rule (lease_watch.hpp), driven by a timer on the run's executor.
+  LeaseWatch watch(lease, std::chrono::steady_clock::now());
+  while (!hb->done && !watch.lost()) {
+    hb->timer->expires_at(watch.due());
     try {
       co_await hb->timer->async_wait(boost::asio::use_awaitable);
     } catch (const std::exception&) {
       co_return;  // cancelled: the run ended
     }
     if (hb->done) co_return;
+    LeaseWatch::Event e;
+    std::exception_ptr error;
     try {
-      if (co_await step_extend(s, key, h, lease) == WriteStatus::lease_lost) {
-        if (!hb->done && observer) observer->on_lease_lost(key, h.fence);
-        stop.request_stop();
-        co_return;
-      }
-      last_ok = std::chrono::steady_clock::now();
-      if (observer) observer->on_lease_extended(key, h.fence);
+      e = watch.answered(co_await step_extend(s, key, h, lease), std::chrono::steady_clock::now());
     } catch (const std::exception&) {
-      if (std::chrono::steady_clock::now() - last_ok >= lease) {
-        if (!hb->done && observer) observer->on_lease_lost(key, h.fence);
-        stop.request_stop();
-        co_return;
-      }
+      error = std::current_exception();
+      e = watch.failed(std::chrono::steady_clock::now());
+    }
+    if (hb->done) co_return;  // the run ended while the extension was out: nothing left to watch
+    try {
+      if (error) std::rethrow_exception(error);
+      report(e, observer.get(), key, h.fence, nullptr, stop);
+    } catch (const std::exception& x) {
+      report(e, observer.get(), key, h.fence, &x, stop);
     }
   }
 }

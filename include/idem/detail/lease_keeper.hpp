@@ -16,6 +16,7 @@
 #include "idem/core/observer.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
+#include "idem/detail/lease_watch.hpp"
 
 namespace idem::detail {
 
@@ -36,15 +37,14 @@ class LeaseKeeper {
     std::string_view key;
     Holder holder;
     std::stop_source* stop;
-    clock::time_point due, last_ok;
+    LeaseWatch watch;   // when it is due, and whether it is lost (stop fired; never extended again)
     bool busy = false;  // an extension of this holder is in flight, on the keeper thread
-    bool lost = false;  // stop fired; never extended again
   };
 
 public:
   /// Keeps leases of `lease` on `store`, reporting to `observer` (may be null).
   LeaseKeeper(Store& store, millis lease, std::shared_ptr<Observer> observer)
-      : store_(&store), lease_(lease), period_(lease / 3), observer_(std::move(observer)) {}
+      : store_(&store), lease_(lease), observer_(std::move(observer)) {}
   LeaseKeeper(const LeaseKeeper&) = delete;
   LeaseKeeper& operator=(const LeaseKeeper&) = delete;
   ~LeaseKeeper() {
@@ -62,7 +62,7 @@ public:
   public:
     Registration(LeaseKeeper* k, std::string_view key, const Holder& holder, std::stop_source& stop)
         : keeper_(k) {
-      if (keeper_) it_ = keeper_->add(Entry{key, holder, &stop, {}, {}});
+      if (keeper_) it_ = keeper_->add(key, holder, stop);
     }
     Registration(const Registration&) = delete;
     Registration& operator=(const Registration&) = delete;
@@ -78,9 +78,8 @@ public:
   };
 
 private:
-  typename std::list<Entry>::iterator add(Entry e) {
-    e.last_ok = clock::now();
-    e.due = e.last_ok + period_;
+  typename std::list<Entry>::iterator add(std::string_view key, const Holder& holder, std::stop_source& stop) {
+    Entry e{key, holder, &stop, LeaseWatch(lease_, clock::now())};
     std::unique_lock lock(mu_);
     // Started before the entry goes in: a thread that cannot start leaves nothing registered.
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
@@ -101,50 +100,35 @@ private:
     while (!stopping_) {
       auto next = entries_.end();
       for (auto it = entries_.begin(); it != entries_.end(); ++it)
-        if (!it->lost && (next == entries_.end() || it->due < next->due)) next = it;
+        if (!it->watch.lost() && (next == entries_.end() || it->watch.due() < next->watch.due())) next = it;
       if (next == entries_.end()) {
         wake_.wait(lock);
         continue;
       }
-      if (const auto due = next->due; due > clock::now()) {
+      if (const auto due = next->watch.due(); due > clock::now()) {
         // A copy: the entry may be removed while this waits, and wait_until reads the time again.
         wake_.wait_until(lock, due);
         continue;
       }
       next->busy = true;  // remove() waits: the entry, its key and its stop source stay valid
-      const Entry e = *next;
+      Entry e = *next;
       lock.unlock();
-      const Verdict v = extend(e);
-      const auto now = clock::now();
-      const bool lost = v == Verdict::lost || (v == Verdict::failed && now - e.last_ok >= lease_);
-      if (v == Verdict::ok && observer_) observer_->on_lease_extended(e.key, e.holder.fence);
-      if (lost) {
-        // The stop callbacks are the handler's code: never run them under the keeper's lock.
-        if (observer_) observer_->on_lease_lost(e.key, e.holder.fence);
-        e.stop->request_stop();
+      // Reported outside the keeper's lock: a lost lease runs the handler's stop callbacks.
+      try {
+        const WriteStatus w = store_->extend(e.key, e.holder, lease_);
+        report(e.watch.answered(w, clock::now()), observer_.get(), e.key, e.holder.fence, nullptr, *e.stop);
+      } catch (const std::exception& ex) {
+        report(e.watch.failed(clock::now()), observer_.get(), e.key, e.holder.fence, &ex, *e.stop);
       }
       lock.lock();
       next->busy = false;
-      next->lost = lost;
-      if (v == Verdict::ok) next->last_ok = now;
-      next->due = now + period_;
+      next->watch = e.watch;
       idle_.notify_all();
     }
   }
 
-  enum class Verdict { ok, lost, failed };
-
-  Verdict extend(const Entry& e) {
-    try {
-      return store_->extend(e.key, e.holder, lease_) == WriteStatus::ok ? Verdict::ok : Verdict::lost;
-    } catch (const std::exception& ex) {
-      if (observer_) observer_->on_store_error(e.key, ex);
-      return Verdict::failed;
-    }
-  }
-
   Store* store_;
-  millis lease_, period_;
+  millis lease_;
   std::shared_ptr<Observer> observer_;
   std::mutex mu_;
   std::condition_variable wake_, idle_;
