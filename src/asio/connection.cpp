@@ -33,7 +33,7 @@
 
 #include "cluster.hpp"
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "tls.hpp"
 
 namespace idem::detail::asio_redis {

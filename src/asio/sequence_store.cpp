@@ -9,7 +9,7 @@
 
 #include "connection.hpp"
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "idem/redis/hash_slot.hpp"
 #include "sequence_requests.hpp"
 

@@ -8,8 +8,8 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
-#include "idem/outbox/writer.hpp"
+#include "idem/core/hex.hpp"
+#include "idem/postgres/store.hpp"
 #include "store_impl.hpp"
 
 namespace idem {

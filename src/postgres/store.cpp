@@ -11,7 +11,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/fingerprint.hpp"
 #include "idem/detail/warning_relay.hpp"
-#include "idem/detail/validate.hpp"
+#include "idem/core/validate.hpp"
 #include "store_impl.hpp"
 
 namespace idem {

@@ -12,7 +12,7 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
-#include "idem/detail/validate.hpp"
+#include "idem/core/validate.hpp"
 #include "store_impl.hpp"
 
 namespace idem {

@@ -8,7 +8,7 @@
 #include <openssl/evp.h>
 
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "idem_redis_scripts.hpp"
 #include "seq/idem_redis_scripts.hpp"
 

@@ -15,8 +15,8 @@
 #include "client.hpp"
 #include "store_requests.hpp"
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
-#include "idem/detail/validate.hpp"
+#include "idem/core/hex.hpp"
+#include "idem/core/validate.hpp"
 
 namespace idem {
 

@@ -10,7 +10,7 @@
 #include <hiredis/hiredis.h>
 
 #include "client.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 
 namespace idem {
 

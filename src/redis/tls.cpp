@@ -21,7 +21,7 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 
 namespace idem::detail::redis {
 

@@ -9,7 +9,7 @@
 #include "client.hpp"
 #include "idem/core/error.hpp"
 #include "idem/detail/warning_relay.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "idem/redis/options.hpp"
 
 namespace idem {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "idem/detail/run_machine.hpp"
+#include "idem/guard/run_machine.hpp"
 #include "idem/detail/warning_relay.hpp"
 #include "idem/idem.hpp"
 

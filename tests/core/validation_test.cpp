@@ -8,7 +8,7 @@
 
 #include "idem/idem.hpp"
 
-// After idem, on purpose: its own declarations of libcrypto's digest (detail/platform.hpp) must
+// After idem, on purpose: its own declarations of libcrypto's digest (core/platform.hpp) must
 // agree with OpenSSL's header, and idem.hpp must not have included it.
 #ifdef EVP_MAX_MD_SIZE
 #error "idem.hpp included <openssl/evp.h>"

@@ -20,7 +20,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "idem/detail/batch_run.hpp"
 #include "idem/guard/guard.hpp"
 #include "idem/memory/memory_store.hpp"
 #include "idem/prometheus/observer.hpp"

@@ -18,7 +18,7 @@
 #include <fmt/core.h>
 
 #include "idem/core/error.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 
 namespace idem {
 

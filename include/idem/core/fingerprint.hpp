@@ -4,8 +4,8 @@
 #include <string>
 #include <string_view>
 
-#include "idem/detail/hex.hpp"
-#include "idem/detail/platform.hpp"
+#include "idem/core/hex.hpp"
+#include "idem/core/platform.hpp"
 #include "idem/core/error.hpp"
 
 namespace idem {

@@ -7,7 +7,7 @@
 #include <memory>
 #include <string>
 
-#include "idem/detail/validate.hpp"
+#include "idem/core/validate.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/observer.hpp"
 #include "idem/core/record.hpp"

@@ -23,7 +23,7 @@
 #include "idem/core/codec.hpp"
 #include "idem/detail/lease_keeper.hpp"
 #include "idem/detail/lru_cache.hpp"
-#include "idem/detail/run_machine.hpp"
+#include "idem/guard/run_machine.hpp"
 #include "idem/guard/context.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/fingerprint.hpp"
@@ -311,4 +311,5 @@ private:
 
 }  // namespace idem
 
-#include "idem/detail/batch_run.hpp"
+#define IDEM_GUARD_BODY
+#include "idem/guard/batch_run.hpp"

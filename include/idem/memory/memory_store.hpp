@@ -17,7 +17,7 @@
 
 #include "idem/core/clock.hpp"
 #include "idem/detail/sharded_map.hpp"
-#include "idem/detail/validate.hpp"
+#include "idem/core/validate.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/batch_store.hpp"

@@ -7,7 +7,7 @@
 #include <utility>
 
 #include "idem/core/error.hpp"
-#include "idem/detail/validate.hpp"
+#include "idem/core/validate.hpp"
 #include "idem/guard/guard.hpp"
 #include "idem/postgres/sequence_store.hpp"
 #include "idem/postgres/store.hpp"

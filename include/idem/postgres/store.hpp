@@ -139,7 +139,7 @@ class PostgresStore {
       return exec_params(sql, params.data(), params.size());
     }
 
-    /// The transactional outbox of this transaction (idem/outbox/writer.hpp): messages sent through
+    /// The transactional outbox of this transaction (idem/postgres/outbox_writer.hpp): messages sent through
     /// it commit with the handler's writes. Needs PostgresStoreOptions::outbox.
     OutboxWriter outbox() noexcept;
     /// The key this transaction claimed ("" when not acquired).
@@ -258,4 +258,5 @@ static_assert(BatchStore<PostgresStore>);
 }  // namespace idem
 
 // OutboxWriter, the return type of Transaction::outbox(), needs the complete Transaction.
-#include "idem/outbox/writer.hpp"  // IWYU pragma: export
+#define IDEM_POSTGRES_STORE_BODY
+#include "idem/postgres/outbox_writer.hpp"  // IWYU pragma: export

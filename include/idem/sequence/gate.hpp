@@ -14,7 +14,7 @@
 #include "idem/core/observer.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/store.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "idem/guard/guard.hpp"
 #include "idem/sequence/sequence_store.hpp"
 

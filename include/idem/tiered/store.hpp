@@ -21,7 +21,7 @@
 #include "idem/detail/warning_relay.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "idem/postgres/result.hpp"
 #include "idem/postgres/store.hpp"
 #include "idem/redis/options.hpp"

@@ -1,5 +1,5 @@
 #pragma once
-/// @file detail/hex.hpp Internal: lower-case hex encoding and the escaped form of binary text
+/// @file core/hex.hpp Internal: lower-case hex encoding and the escaped form of binary text
 /// used in messages. Not part of idem's API.
 
 #include <cstddef>

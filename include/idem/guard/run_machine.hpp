@@ -1,5 +1,5 @@
 #pragma once
-/// @file detail/run_machine.hpp The guard's decisions, once: a sans-I/O state machine per message.
+/// @file guard/run_machine.hpp The guard's decisions, once: a sans-I/O state machine per message.
 /// Not part of idem's API.
 ///
 /// Every driver (run, transactional run, run_batch, run_async) is a loop around one machine: it
@@ -31,10 +31,10 @@
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
 #include "idem/detail/failure.hpp"
-#include "idem/detail/hex.hpp"
+#include "idem/core/hex.hpp"
 #include "idem/detail/lru_cache.hpp"
 #include "idem/detail/random.hpp"
-#include "idem/detail/validate.hpp"
+#include "idem/core/validate.hpp"
 #include "idem/guard/context.hpp"
 
 namespace idem::detail {

@@ -1,5 +1,5 @@
 #pragma once
-/// @file detail/platform.hpp libcrypto's one-shot digest, declared here instead of through
+/// @file core/platform.hpp libcrypto's one-shot digest, declared here instead of through
 /// <openssl/evp.h>, so that including idem does not pull OpenSSL's headers (and their macros) into
 /// every consumer's compile. Not part of idem's API.
 ///

@@ -1,5 +1,5 @@
 #pragma once
-/// @file detail/batch_run.hpp IdempotencyGuard::run_batch (declared in guard.hpp, which includes
+/// @file guard/batch_run.hpp IdempotencyGuard::run_batch (declared in guard.hpp, which includes
 /// this file at its end): the batch driver over the run machine. docs/batches.md explains the
 /// semantics. Not part of idem's API.
 
@@ -17,7 +17,11 @@
 #include <utility>
 #include <vector>
 
-#include "idem/guard/guard.hpp"
+// Not self-contained on purpose: guard.hpp includes this file at its end, after the class it
+// defines members of, so the two never include each other.
+#ifndef IDEM_GUARD_BODY
+#error "include idem/guard/guard.hpp, not idem/guard/batch_run.hpp"
+#endif
 
 namespace idem {
 namespace detail {
