@@ -457,3 +457,34 @@ TEST_CASE("a guard's observer hears its store's advisories, those before it came
   store.warn("third");
   CHECK(first->warnings.back() == "third");
 }
+
+TEST_CASE("machine: a batch's repeats of a key are answered from its first item, without a store call",
+          "[machine][batch]") {
+  using M = idem::detail::RunMachine<int>;
+  idem::Outcome<int> first;
+  first.status = Status::executed;
+  first.value = 7;
+  first.fence = 3;
+  idem::Outcome<int> out;
+  std::exception_ptr error;
+  M::repeat_of(first, nullptr, false, out, error);  // ran there: a duplicate here, with its value
+  CHECK(out.status == Status::duplicate);
+  CHECK(out.value == 7);
+  CHECK_FALSE(error);
+  M::repeat_of(first, nullptr, true, out, error);  // another payload under the key
+  CHECK(out.status == Status::mismatch);
+  CHECK_FALSE(out.value);
+  first.status = Status::in_flight;  // held elsewhere there: held here too
+  M::repeat_of(first, nullptr, false, out, error);
+  CHECK(out.status == Status::in_flight);
+  // An error there: redelivered here (reported once, on the first) ...
+  M::repeat_of(first, std::make_exception_ptr(idem::connection_error("down")), false, out, error);
+  CHECK(out.status == Status::in_flight);
+  CHECK_FALSE(error);
+  // ... unless no redelivery can fix it: as bad here.
+  const auto bad = std::make_exception_ptr(idem::invalid_key_error("empty key"));
+  M::repeat_of(first, bad, false, out, error);
+  CHECK(error == bad);
+  CHECK(M::untried().status == Status::in_flight);
+  CHECK(M::untried().retry_after == 0s);
+}

@@ -52,10 +52,8 @@ inline std::vector<std::size_t> first_occurrences(std::span<const BatchItem> ite
   return first_of;
 }
 
-/// Settles the repeats of a key from its first item: a run there is a duplicate here; a different
-/// payload is a mismatch, as run() would answer; a bad key is as bad here; any other error there
-/// is a redelivery here (the error is reported once, on the first). Each repeat settled is reported
-/// to `observer` (may be null) with the batch's time `took`.
+/// The repeats of a key in a batch, each answered by the machine from its first item
+/// (RunMachine::repeat_of) and reported to `observer` (may be null) with the batch's time `took`.
 template <class R>
 void settle_repeats(std::span<const BatchItem> items, const std::vector<std::string>& fps,
                     const std::vector<std::size_t>& first_of, BatchOutcome<R>& res, Observer* observer,
@@ -63,21 +61,10 @@ void settle_repeats(std::span<const BatchItem> items, const std::vector<std::str
   for (std::size_t i = 0; i < items.size(); ++i) {
     const std::size_t f = first_of[i];
     if (f == no_item) continue;
-    Outcome<R>& out = res.outcomes[i];
-    if (!fps[i].empty() && !fps[f].empty() && fps[i] != fps[f]) {
-      out = Outcome<R>{};
-      out.status = Status::mismatch;
-    } else if (res.errors[f]) {
-      if (res.action(f) == BrokerAction::dead_letter) {
-        res.errors[i] = res.errors[f];
-        continue;
-      }
-      out = Outcome<R>{};
-      out.status = Status::in_flight;
-    } else {
-      out = res.outcomes[f];
-      if (out.status == Status::executed) out.status = Status::duplicate;
-    }
+    const bool other_payload = !fps[i].empty() && !fps[f].empty() && fps[i] != fps[f];
+    RunMachine<R>::repeat_of(res.outcomes[f], res.errors[f], other_payload, res.outcomes[i], res.errors[i]);
+    if (res.errors[i]) continue;
+    const Outcome<R>& out = res.outcomes[i];
     if (observer) observer->on_outcome(OutcomeEvent{items[i].key, out.status, took, out.attempt, out.takeover, out.from_cache});
   }
 }
@@ -139,7 +126,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
     for (std::size_t k = 0; k < ms.size(); ++k) {
       const std::size_t i = item_of[k];
       if (stopped) {
-        res.outcomes[i].status = Status::in_flight;  // not tried: redeliver
+        res.outcomes[i] = machine<R>::untried();
         continue;
       }
       auto one = handler_of(i);

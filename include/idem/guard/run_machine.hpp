@@ -287,6 +287,39 @@ public:
   /// (run_batch's stop_at_first_error): answers in_flight whatever the write answers.
   Next release_unrun() { return ask_fail(Phase::releasing_unrun, stale_release(cfg_->options->retention)); }
 
+  // ---- a batch's items that make no call of their own ----
+
+  /// A batch item whose key an earlier item of the same batch had, decided without a store call
+  /// from that first item's answer (`first`, or `first_error` when it raised), as run() would
+  /// answer it after the first: another payload (`other_payload`) is mismatch; a run there is a
+  /// duplicate here; an error no redelivery can fix (a bad key) is as bad here; any other error
+  /// there is a redelivery here (in_flight, retry_after 0: the error is the first item's to
+  /// report). Sets `out`, or `error` when the item raises.
+  static void repeat_of(const Outcome<R>& first, const std::exception_ptr& first_error, bool other_payload,
+                        Outcome<R>& out, std::exception_ptr& error) {
+    out = Outcome<R>{};
+    if (other_payload) {
+      out.status = Status::mismatch;
+    } else if (first_error) {
+      if (action_of(first_error) == BrokerAction::dead_letter) {
+        error = first_error;
+        return;
+      }
+      out.status = Status::in_flight;
+    } else {
+      out = first;
+      if (out.status == Status::executed) out.status = Status::duplicate;
+    }
+  }
+
+  /// A batch item left untried (stop_at_first_error, before its acquire): in_flight, redeliver it
+  /// now.
+  static Outcome<R> untried() {
+    Outcome<R> out;
+    out.status = Status::in_flight;
+    return out;
+  }
+
   // ---- the end ----
 
   /// Next::done: the outcome (the driver may move from it).
