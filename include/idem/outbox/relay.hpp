@@ -54,7 +54,7 @@ struct OutboxRelayStats {
   std::uint64_t notifications = 0;   ///< wake-ups by NOTIFY
 };
 
-/// One event the relay reports to OutboxRelayOptions' observer (metrics, logs).
+/// One event the relay reports to the observer given to OutboxRelay::set_observer (metrics, logs).
 struct OutboxRelayEvent {
   /// What happened.
   enum class Kind : std::uint8_t {

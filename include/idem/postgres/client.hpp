@@ -39,7 +39,9 @@ struct ClientAccess;
 /**
  * A pool of libpq sessions to one server, shared by the PostgresStore and PostgresSequenceStore
  * built on it (so they reach the same server and database by construction). Thread-safe; hold it
- * by std::shared_ptr. Connects lazily: the constructor only validates the options.
+ * by std::shared_ptr. The constructor validates the options and takes one look at the server
+ * (its replication settings, bounded by 5 s; an unreachable server is not an error there); the
+ * pool's sessions are opened as calls need them.
  *
  * @code
  * auto client = std::make_shared<idem::PostgresClient>(idem::PostgresOptions{.conninfo = "postgresql://app@db/app"});
@@ -50,7 +52,8 @@ struct ClientAccess;
 class PostgresClient {
  public:
   /// Validates the options and refuses a standby as the only host (invalid_options_error); warns
-  /// the observer of replication that a failover can lose completions with. Opens sessions on first use.
+  /// the observer of replication that a failover can lose completions with (one connection, at
+  /// most 5 s); the pool's sessions open as calls need them.
   explicit PostgresClient(PostgresOptions options = {});
   ~PostgresClient();                                          ///< Closes the pooled sessions.
   PostgresClient(const PostgresClient&) = delete;             ///< Shared by pointer, never copied.
