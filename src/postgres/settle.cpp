@@ -43,16 +43,14 @@ WriteStatus StoreImpl::settle_commit(std::string_view key, const Holder& h, cons
   // before the statement's snapshot (its outcome and the row read are then of the same moment);
   // the pid and the wait event of a backend running that id now (SyncRep: committed here, waiting
   // for a standby).
-  const std::string running =
-      "(SELECT a.{} FROM pg_stat_activity a WHERE a.backend_xid = (($4::xid8)::text::numeric % 4294967296)::text::xid "
-      "LIMIT 1)";
   const std::string sql =
       "SELECT (SELECT t.state = 2 AND t.fence = $2::bigint AND t.token = $3::bigint FROM " + qt +
       " t WHERE t.key = $1::bytea), "
       "CASE WHEN $4::xid8 IS NULL THEN NULL WHEN $4::xid8 < pg_snapshot_xmax(pg_current_snapshot()) "
       "THEN pg_xact_status($4::xid8) ELSE 'future' END, "
-      "pg_visible_in_snapshot($4::xid8, pg_current_snapshot()), " +
-      fmt::format(fmt::runtime(running), "pid") + ", " + fmt::format(fmt::runtime(running), "wait_event");
+      "pg_visible_in_snapshot($4::xid8, pg_current_snapshot()), r.pid, r.wait_event "
+      "FROM (SELECT 1) one LEFT JOIN LATERAL (SELECT a.pid, a.wait_event FROM pg_stat_activity a "
+      "WHERE a.backend_xid = (($4::xid8)::text::numeric % 4294967296)::text::xid LIMIT 1) r ON true";
   const std::string k = hex_bytea(key), fence = std::to_string(as_i64(h.fence)), token = std::to_string(as_i64(h.token));
   const char* vals[] = {k.c_str(), fence.c_str(), token.c_str(), xid.empty() ? nullptr : xid.c_str()};
   std::string seen = "no session could be opened";

@@ -18,8 +18,16 @@ inline std::string describe(const std::exception_ptr& ep) {
   } catch (const std::exception& e) {
     return e.what();
   } catch (...) {
-    return "non-std exception";
+    return "a non-standard exception";
   }
+}
+
+/// `base` doubled per attempt after the first (base, 2 base, 4 base ...), at most `cap`: the one
+/// backoff of the failure policy and of idem::verdict's requeue delays.
+inline millis doubled(millis base, millis cap, std::uint32_t attempt) noexcept {
+  std::int64_t b = base.count();
+  for (std::uint32_t i = 1; i < attempt && b < cap.count(); ++i) b *= 2;
+  return millis{std::min<std::int64_t>(b, cap.count())};
 }
 
 /// The fail() of a handler failure under `p`: release, or record with a backoff that doubles per
@@ -35,9 +43,7 @@ inline FailParams failure_params(const FailurePolicy& p, millis retention, std::
     return f;
   }
   f.permanent = attempts >= p.max_attempts;
-  std::int64_t b = p.backoff.count();
-  for (std::uint32_t i = 1; i < attempts && b < p.max_backoff.count(); ++i) b *= 2;
-  f.backoff = millis{std::min<std::int64_t>(b, p.max_backoff.count())};
+  f.backoff = doubled(p.backoff, p.max_backoff, attempts);
   return f;
 }
 

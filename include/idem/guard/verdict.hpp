@@ -11,6 +11,7 @@
 
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
+#include "idem/detail/failure.hpp"
 #include "idem/detail/random.hpp"
 
 namespace idem {
@@ -53,13 +54,6 @@ inline void check_retry(const RetryPolicy& p, std::string_view field) {
                                 " ms) must be at least base (" + std::to_string(p.base.count()) + " ms), both >= 0");
 }
 
-// The exponential wait of delivery `attempt` (1-based): base, 2 base, 4 base ... at most cap.
-inline millis backoff(const RetryPolicy& p, std::uint32_t attempt) noexcept {
-  millis w = std::min(p.base, p.cap);
-  for (std::uint32_t i = 1; i < attempt && w < p.cap; ++i) w = std::min(w * 2, p.cap);
-  return w;
-}
-
 // A requeue past max_attempts becomes a dead letter that says so.
 inline Verdict limited(Verdict v, const RetryPolicy& p, std::uint32_t attempt) {
   if (v.action == BrokerAction::requeue && p.max_attempts > 0 && attempt >= p.max_attempts) {
@@ -95,20 +89,15 @@ Verdict verdict(const Outcome& out, const RetryPolicy& p = {}, std::uint32_t att
 /// help soon (an unreadable record). `reason` is the exception's message.
 inline Verdict verdict(const std::exception_ptr& e, const RetryPolicy& p = {}, std::uint32_t attempt = 1,
                        std::uint64_t entropy = detail::random_token()) {
-  Verdict v{.action = action_of(e)};
+  // The reason is the text the failure policy records for the same exception.
+  Verdict v{.action = action_of(e), .reason = detail::describe(e), .handler_failed = true};
   millis wait = p.base;
   try {
     std::rethrow_exception(e);
   } catch (const error& x) {
-    v.reason = x.what();
     v.handler_failed = x.from_handler();
-    if (!x.from_handler()) wait = x.retryable() ? detail::backoff(p, attempt) : p.cap;
-  } catch (const std::exception& x) {
-    v.reason = x.what();
-    v.handler_failed = true;
+    if (!x.from_handler()) wait = x.retryable() ? detail::doubled(p.base, p.cap, attempt) : p.cap;
   } catch (...) {
-    v.reason = "a non-standard exception";
-    v.handler_failed = true;
   }
   if (v.action == BrokerAction::requeue) v.delay = detail::jittered(std::min(wait, p.cap), p.jitter, entropy);
   return detail::limited(std::move(v), p, attempt);
