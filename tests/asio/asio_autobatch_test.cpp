@@ -348,9 +348,11 @@ TEST_CASE("auto-batching: run_batch on AsyncRedisStore leaves its acquisitions a
   CHECK(runs[ns + "twice"] == 1);
   CHECK(runs.size() == 98);  // "twice" and the 97 new keys
   for (const auto& [k, n] : runs) CHECK(n == 1);
-  // 100 acquisitions and 98 completions in far fewer script calls than steps.
+  // 100 acquisitions and 98 completions in fewer script calls than steps. How many completions
+  // meet in one call depends on scheduling (under TSan on a loaded machine 58 calls were seen), so
+  // only the bound that holds by construction is checked: at least the batch's acquisitions coalesce.
   CHECK(after.coalesced - before.coalesced >= 100);
-  CHECK(after.requests - before.requests < 50);
+  CHECK(after.requests - before.requests < 198);
   // Again: every key answered from its record, no handler runs.
   auto again = guard.run_batch(items, [&](const idem::BatchItem& it) { return ++runs[std::string(it.key)]; });
   for (const auto& o : again.outcomes) CHECK(o.status == idem::Status::duplicate);
