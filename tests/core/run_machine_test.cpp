@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "idem/guard/run_machine.hpp"
+#include "idem/guard/sequence_phase.hpp"
 #include "idem/detail/warning_relay.hpp"
 #include "idem/idem.hpp"
 
@@ -487,4 +488,85 @@ TEST_CASE("machine: a batch's repeats of a key are answered from its first item,
   CHECK(error == bad);
   CHECK(M::untried().status == Status::in_flight);
   CHECK(M::untried().retry_after == 0s);
+}
+
+TEST_CASE("machine: the sequence phase decides stale, gaps, the advance and what the outcome says", "[machine][sequence]") {
+  using idem::detail::AdvanceWay;
+  using idem::detail::SeqNext;
+  using idem::detail::SequencePhase;
+  using idem::detail::SequenceRule;
+  using idem::detail::TxNext;
+  const SequenceRule gaps{};
+  const SequenceRule strict{.contiguous = true, .first = 1, .gap_retry_after = 250ms};
+
+  SECTION("before the claim: stale, equal, newer, first of an entity") {
+    SequencePhase older(gaps, 3, AdvanceWay::after);
+    CHECK(older.on_last_applied(5u) == SeqNext::stale);
+    CHECK(older.last_applied() == 5u);
+    CHECK_FALSE(older.advanced());
+    CHECK(SequencePhase(gaps, 5, AdvanceWay::after).on_last_applied(5u) == SeqNext::stale);
+    CHECK(SequencePhase(gaps, 9, AdvanceWay::after).on_last_applied(5u) == SeqNext::claim);
+    CHECK(SequencePhase(gaps, 0, AdvanceWay::after).on_last_applied(std::nullopt) == SeqNext::claim);
+  }
+  SECTION("contiguous: next runs, ahead is a gap with its delay, below first is stale") {
+    CHECK(SequencePhase(strict, 6, AdvanceWay::after).on_last_applied(5u) == SeqNext::claim);
+    CHECK(SequencePhase(strict, 1, AdvanceWay::after).on_last_applied(std::nullopt) == SeqNext::claim);
+    SequencePhase ahead(strict, 8, AdvanceWay::after);
+    CHECK(ahead.on_last_applied(5u) == SeqNext::gap);
+    CHECK(ahead.gap());
+    CHECK(ahead.gap_retry_after() == 250ms);
+    CHECK(SequencePhase(strict, 0, AdvanceWay::after).on_last_applied(std::nullopt) == SeqNext::stale);
+    CHECK(SequencePhase(strict, 3, AdvanceWay::after).on_last_applied(std::nullopt) == SeqNext::gap);
+  }
+  SECTION("a batch: behind an earlier event of its entity it waits, ahead of it runs unless contiguous") {
+    CHECK(SequencePhase(gaps, 7, AdvanceWay::after).behind_earlier(5) == SeqNext::claim);
+    CHECK(SequencePhase(gaps, 5, AdvanceWay::after).behind_earlier(5) == SeqNext::later);
+    CHECK(SequencePhase(gaps, 4, AdvanceWay::after).behind_earlier(5) == SeqNext::later);
+    SequencePhase next(strict, 6, AdvanceWay::after);
+    CHECK(next.behind_earlier(5) == SeqNext::later);
+    CHECK_FALSE(next.gap());  // not ahead of the entity: decided after its predecessor
+  }
+  SECTION("after the run: executed and duplicate advance, nothing else does; combined never twice") {
+    SequencePhase p(gaps, 9, AdvanceWay::after);
+    REQUIRE(p.on_last_applied(5u) == SeqNext::claim);
+    CHECK(p.advance_after(Status::executed, false));
+    CHECK(p.advance_after(Status::duplicate, false));  // repairs a crash between completion and advance
+    for (Status s : {Status::in_flight, Status::lease_lost, Status::mismatch, Status::previously_failed})
+      CHECK_FALSE(p.advance_after(s, false));
+    CHECK_FALSE(p.advance_after(Status::executed, true));
+    p.on_advanced(true, 5u);
+    CHECK(p.advanced());
+    CHECK(p.last_applied() == 9u);
+    SequencePhase lost(gaps, 7, AdvanceWay::with_completion);
+    REQUIRE(lost.on_last_applied(5u) == SeqNext::claim);
+    lost.on_advanced(false, 8u);  // a newer event advanced while this one ran: never goes back
+    CHECK_FALSE(lost.advanced());
+    CHECK(lost.last_applied() == 8u);
+    CHECK_FALSE(SequencePhase(gaps, 7, AdvanceWay::in_transaction).advance_after(Status::executed, false));
+  }
+  SECTION("in the transaction: advanced runs, a newer commit is stale, a moved contiguous sequence raises") {
+    SequencePhase p(strict, 6, AdvanceWay::in_transaction);
+    REQUIRE(p.on_last_applied(5u) == SeqNext::claim);
+    CHECK(p.on_tx_advance(true, 5u) == TxNext::run_handler);
+    p.on_tx_run(Status::executed);
+    CHECK(p.advanced());
+    CHECK(p.last_applied() == 6u);
+    SequencePhase rolled(gaps, 6, AdvanceWay::in_transaction);
+    REQUIRE(rolled.on_last_applied(5u) == SeqNext::claim);
+    CHECK(rolled.on_tx_advance(true, 5u) == TxNext::run_handler);
+    rolled.on_tx_run(Status::lease_lost);  // the commit did not happen: neither did the advance
+    CHECK_FALSE(rolled.advanced());
+    CHECK(rolled.last_applied() == 5u);
+    SequencePhase beaten(gaps, 6, AdvanceWay::in_transaction);
+    REQUIRE(beaten.on_last_applied(5u) == SeqNext::claim);
+    CHECK(beaten.on_tx_advance(false, 8u) == TxNext::stale);
+    beaten.on_tx_run(Status::stale);
+    CHECK(beaten.last_applied() == 8u);
+    SequencePhase erased(strict, 6, AdvanceWay::in_transaction);
+    REQUIRE(erased.on_last_applied(5u) == SeqNext::claim);
+    CHECK(erased.on_tx_advance(true, std::nullopt) == TxNext::raise);
+    const idem::store_error e = erased.changed_error("acct-1");
+    CHECK(e.retryable());
+    CHECK_THAT(e.what(), Catch::Contains("acct-1"));
+  }
 }

@@ -21,6 +21,13 @@
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
 #include "pg_support.hpp"
+#if IDEM_TEST_ASYNC
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_future.hpp>
+
+#include "idem/asio/sequence.hpp"
+#endif
 
 using namespace std::chrono_literals;
 using idem::PostgresSequenceStore;
@@ -160,6 +167,42 @@ TEST_CASE("postgres sequence: SequenceGate over PostgresStore (lease mode) answe
   CHECK(seqs.last_applied(ent) == 3u);
 }
 
+#if IDEM_TEST_ASYNC
+TEST_CASE("postgres sequence: SequenceGate::run_async over PostgresStore (lease mode) answers stale, advances") {
+  idem::PostgresStore store = pgtest::store();
+  PostgresSequenceStore seqs{store, seq_options()};
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
+  idem::SequenceGate gate{seqs};
+  const std::string ent = uid("acct");
+  std::vector<std::uint64_t> ran;
+  auto deliver = [&](std::uint64_t seq) {
+    const std::string key = ent + "/evt-" + std::to_string(seq);
+    boost::asio::io_context io;
+    auto fut = boost::asio::co_spawn(io, gate.run_async(guard, {.key = key, .entity = ent, .seq = seq}, [&ran, seq] {
+      ran.push_back(seq);
+      return static_cast<long>(seq);
+    }), boost::asio::use_future);
+    io.run();
+    return fut.get();
+  };
+  auto first = deliver(3);
+  CHECK(first.status == Status::executed);
+  CHECK(first.advanced);
+  CHECK(first.last_applied == 3u);
+  auto older = deliver(2);
+  CHECK(older.status == Status::stale);
+  CHECK(older.last_applied == 3u);
+  CHECK(deliver(3).status == Status::stale);
+  CHECK(deliver(4).value == 4L);
+  CHECK(ran == std::vector<std::uint64_t>{3, 4});
+  CHECK(seqs.last_applied(ent) == 4u);
+  // A transactional-mode store is refused, at the call.
+  idem::PostgresStore txs = pgtest::store(idem::PostgresMode::transactional);
+  idem::IdempotencyGuard txg{txs, {.lease = 10s, .retention = 1h}};
+  CHECK_THROWS_AS(gate.run_async(txg, {.key = "k", .entity = ent, .seq = 9}, [] { return 0L; }), idem::usage_error);
+}
+#endif
+
 namespace {
 
 // Transactional mode: a balance table written through ctx.tx, and the sequence in the same tx.
@@ -225,6 +268,36 @@ TEST_CASE("postgres sequence: transactional advance commits with the business wr
   auto dup = f.set_balance(id + "/3", id, 3, 300);  // redelivery: stale by sequence
   CHECK(dup.status == Status::stale);
   CHECK(f.seqs.last_applied(id) == 3u);
+}
+
+TEST_CASE("postgres sequence: SequenceGate::run_batch advances inside each item's transaction") {
+  TxFixture f;
+  idem::SequenceGate gate{f.seqs};
+  const std::string a = uid("a"), b = uid("b");
+  REQUIRE(f.set_balance(a + "/2", a, 2, 200).status == Status::executed);
+  // a: 1 stale, 3 runs; b: 1 runs, then 3 throws (its write and advance roll back together).
+  const std::vector<idem::SequencedEvent> events{{.key = a + "/1", .entity = a, .seq = 1},
+                                                 {.key = a + "/3", .entity = a, .seq = 3},
+                                                 {.key = b + "/1", .entity = b, .seq = 1},
+                                                 {.key = b + "/3", .entity = b, .seq = 3}};
+  auto r = gate.run_batch(f.guard, events, [&](const idem::SequencedEvent& ev, const auto& ctx) -> long {
+    const long value = static_cast<long>(ev.seq) * 100;
+    ctx.tx->exec("INSERT INTO idem_test." + f.accounts +
+                     " (id, balance) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET balance = EXCLUDED.balance",
+                 std::string(ev.entity), value);
+    if (ev.entity == b && ev.seq == 3) throw std::runtime_error("handler failed after its write");
+    return value;
+  });
+  CHECK(r.outcomes[0].status == Status::stale);
+  CHECK(r.outcomes[1].status == Status::executed);
+  CHECK(r.sequence[1].advanced);
+  CHECK(r.outcomes[2].status == Status::executed);
+  CHECK(r.errors[3] != nullptr);
+  CHECK_FALSE(r.sequence[3].advanced);
+  CHECK(f.balance(a) == "300");
+  CHECK(f.balance(b) == "100");  // b/3's write rolled back with its advance
+  CHECK(f.seqs.last_applied(a) == 3u);
+  CHECK(f.seqs.last_applied(b) == 1u);
 }
 
 TEST_CASE("postgres sequence: a handler exception rolls back the advance with the write") {

@@ -22,6 +22,7 @@
 #include "redis_factory.hpp"
 #if IDEM_TEST_ASYNC
 #include "asio_factory.hpp"
+#include "idem/asio/sequence.hpp"
 #include "idem/asio/sequence_store.hpp"
 #endif
 
@@ -385,6 +386,49 @@ TEST_CASE("redis sequence: AsyncRedisSequenceStore completes only for its own st
   CHECK_THROWS_AS(io.run([&]() -> boost::asio::awaitable<idem::AdvanceResult> {
                     co_return co_await seqs.async_advance("", 1, boost::asio::use_awaitable);
                   }()),
+                  idem::invalid_entity_error);
+}
+#endif
+
+#if IDEM_TEST_ASYNC
+TEMPLATE_TEST_CASE("redis sequence: SequenceGate::run_async answers stale and advances with the completion", "",
+                   IDEM_SEQ_FACES) {
+  TestType f;
+  auto& [o, store, seqs, guard] = f;
+  idem::SequenceGate gate{seqs};
+  int ran = 0;
+  auto deliver = [&](std::uint64_t seq) {
+    const std::string key = "{acct-a}:evt-" + std::to_string(seq);
+    return io_thread().run(gate.run_async(guard, {.key = key, .entity = "acct-a", .seq = seq}, [&] { return ++ran; }));
+  };
+  const long before = evalsha_calls();
+  auto out = deliver(2);
+  CHECK(out.status == Status::executed);
+  CHECK(out.advanced);
+  CHECK(out.last_applied == 2u);
+  CHECK(evalsha_calls() - before == 2);  // acquire, then complete_advance: the advance rode the completion
+  CHECK(seqs.last_applied("acct-a") == 2u);
+  auto older = deliver(1);
+  CHECK(older.status == Status::stale);
+  CHECK(older.last_applied == 2u);
+  CHECK(older.action() == idem::BrokerAction::ack);
+  CHECK_FALSE(store.inspect("{acct-a}:evt-1"));  // no claim, no record
+  CHECK(deliver(2).status == Status::stale);
+  auto newer = deliver(5);
+  CHECK(newer.status == Status::executed);
+  CHECK(newer.last_applied == 5u);
+  CHECK(ran == 2);
+  // A handler that awaits, and one that throws: the throw advances nothing.
+  auto awaited = io_thread().run(gate.run_async(guard, {.key = "{acct-a}:evt-6", .entity = "acct-a", .seq = 6},
+                                                []() -> boost::asio::awaitable<int> { co_return 66; }));
+  CHECK(awaited.value == 66);
+  CHECK(awaited.advanced);
+  CHECK_THROWS_AS(io_thread().run(gate.run_async(guard, {.key = "{acct-a}:evt-7", .entity = "acct-a", .seq = 7},
+                                                 []() -> int { throw std::runtime_error("boom"); })),
+                  std::runtime_error);
+  CHECK(seqs.last_applied("acct-a") == 6u);
+  // Bad input is refused at the call, before anything is sent.
+  CHECK_THROWS_AS(gate.run_async(guard, {.key = "{acct-a}:evt-8", .entity = "", .seq = 8}, [] { return 0; }),
                   idem::invalid_entity_error);
 }
 #endif

@@ -1,5 +1,6 @@
 // SequenceGate and MemorySequenceStore: in-order, out-of-order, duplicate, equal, gaps, contiguous
-// mode, the concurrent "became stale while running" case, an 8-thread race, and bad input.
+// mode, the concurrent "became stale while running" case, an 8-thread race, and bad input; and the
+// same decisions through every driver of the gate (run, run_batch, run_async).
 #include "idem/sequence/gate.hpp"
 
 #include <algorithm>
@@ -15,6 +16,13 @@
 #include <vector>
 
 #include "idem/idem.hpp"
+#if IDEM_TEST_ASYNC
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_future.hpp>
+
+#include "idem/asio/sequence.hpp"
+#endif
 
 using namespace std::chrono_literals;
 using idem::Status;
@@ -337,4 +345,168 @@ TEST_CASE("gate: 8 threads race on shared entities with shuffled, duplicated seq
     CHECK(ran[static_cast<std::size_t>(e * (kSeqs + 1) + kSeqs)].load() == 1);
   }
   UNSCOPED_INFO("applied " << applied << ", stale " << stale.load() << ", requeued " << requeued.load());
+}
+
+// ---- the same decisions through every driver: run, run_batch (one event), run_async ----
+
+namespace {
+
+struct Got {
+  Status status = Status::in_flight;
+  bool advanced = false;
+  std::optional<std::uint64_t> last_applied;
+  bool gap = false;
+  idem::millis retry_after{0};
+  long value = 0;
+};
+
+struct ByRun {
+  template <class Gate, class H>
+  static Got deliver(Fixture& f, Gate& gate, const idem::SequencedEvent& ev, H h) {
+    auto o = gate.run(f.guard, ev, h);
+    return {o.status, o.advanced, o.last_applied, o.gap, o.retry_after, o.value.value_or(0)};
+  }
+};
+
+struct ByBatch {
+  template <class Gate, class H>
+  static Got deliver(Fixture& f, Gate& gate, const idem::SequencedEvent& ev, H h) {
+    auto r = gate.run_batch(f.guard, std::span<const idem::SequencedEvent>(&ev, 1),
+                            [&](const idem::SequencedEvent&) { return h(); });
+    REQUIRE(r.outcomes.size() == 1);
+    if (r.errors[0]) std::rethrow_exception(r.errors[0]);
+    const auto& o = r.outcomes[0];
+    return {o.status, r.sequence[0].advanced, r.sequence[0].last_applied, r.sequence[0].gap, o.retry_after,
+            o.value.value_or(0)};
+  }
+};
+
+#if IDEM_TEST_ASYNC
+struct ByAsync {
+  template <class Gate, class H>
+  static Got deliver(Fixture& f, Gate& gate, const idem::SequencedEvent& ev, H h) {
+    boost::asio::io_context io;
+    auto fut = boost::asio::co_spawn(io, gate.run_async(f.guard, ev, h), boost::asio::use_future);
+    io.run();
+    auto o = fut.get();
+    return {o.status, o.advanced, o.last_applied, o.gap, o.retry_after, o.value.value_or(0)};
+  }
+};
+#define IDEM_GATE_DRIVERS ByRun, ByBatch, ByAsync
+#else
+#define IDEM_GATE_DRIVERS ByRun, ByBatch
+#endif
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("gate drivers: stale, equal, newer, gaps and the advance", "[sequence][drivers]", IDEM_GATE_DRIVERS) {
+  Fixture f;
+  auto deliver = [&](std::uint64_t seq, std::string_view entity = "acct-1") {
+    const std::string key = std::string(entity) + "/evt-" + std::to_string(seq);
+    return TestType::deliver(f, f.gate, {.key = key, .entity = entity, .seq = seq}, [&f, seq] {
+      f.applied.push_back(seq);
+      return static_cast<long>(seq) * 10;
+    });
+  };
+  auto first = deliver(2);
+  CHECK(first.status == Status::executed);
+  CHECK(first.advanced);
+  CHECK(first.last_applied == 2u);
+  CHECK(first.value == 20);
+  auto older = deliver(1);
+  CHECK(older.status == Status::stale);
+  CHECK(older.last_applied == 2u);
+  CHECK_FALSE(f.store.inspect("acct-1/evt-1").has_value());  // no claim, no record
+  CHECK(deliver(2).status == Status::stale);                  // a redelivery once applied
+  auto jump = deliver(7);                                     // gaps are allowed by default
+  CHECK(jump.status == Status::executed);
+  CHECK(jump.last_applied == 7u);
+  CHECK(deliver(1, "acct-2").status == Status::executed);  // entities are independent
+  CHECK(f.applied == std::vector<std::uint64_t>{2, 7, 1});
+  CHECK(f.gate.last_applied("acct-1") == 7u);
+  CHECK(f.stats->count(Status::stale) == 2);  // the gate's own decisions reach the guard's observer
+
+  // A missed advance (a crash between the completion and the advance) is repaired by the
+  // duplicate: the record answers, the sequence catches up, the handler does not run again.
+  REQUIRE(f.guard.run("acct-3/evt-4", [] { return 40L; }).status == Status::executed);
+  auto repaired = deliver(4, "acct-3");
+  CHECK(repaired.status == Status::duplicate);
+  CHECK(repaired.value == 40);
+  CHECK(repaired.advanced);
+  CHECK(f.gate.last_applied("acct-3") == 4u);
+}
+
+TEMPLATE_TEST_CASE("gate drivers: contiguous gaps, and a failing handler that does not advance", "[sequence][drivers]",
+                   IDEM_GATE_DRIVERS) {
+  Fixture f;
+  idem::SequenceGate strict{f.seqs, {.contiguous = true, .first = 1, .gap_retry_after = 250ms}};
+  int calls = 0;
+  auto deliver = [&](std::uint64_t seq, bool fail = false) {
+    return TestType::deliver(f, strict, {.key = "acct-1/evt-" + std::to_string(seq), .entity = "acct-1", .seq = seq},
+                             [&, seq, fail] {
+                               ++calls;
+                               if (fail) throw std::runtime_error("downstream unavailable");
+                               f.applied.push_back(seq);
+                               return static_cast<long>(seq);
+                             });
+  };
+  auto early = deliver(2);
+  CHECK(early.status == Status::in_flight);
+  CHECK(early.gap);
+  CHECK(early.retry_after == 250ms);
+  CHECK(calls == 0);
+  CHECK(deliver(1).status == Status::executed);
+  CHECK_THROWS_AS(deliver(2, true), std::runtime_error);
+  CHECK(strict.last_applied("acct-1") == 1u);  // the failure did not advance
+  auto again = deliver(2);
+  CHECK(again.status == Status::executed);
+  CHECK(again.advanced);
+  CHECK(f.applied == std::vector<std::uint64_t>{1, 2});
+}
+
+TEST_CASE("gate run_batch: events of one entity in one batch run in order, one behind an earlier waits",
+          "[sequence][batch]") {
+  Fixture f;
+  REQUIRE(f.deliver(2).status == Status::executed);
+  // Input order 3, 5, 4, 1 (and another entity): 3 and 5 run in order; 4 is behind 5 in this
+  // batch, so it is redelivered and decided after it (stale then); 1 is stale at once.
+  const std::vector<idem::SequencedEvent> events{{.key = "acct-1/evt-3", .entity = "acct-1", .seq = 3},
+                                                 {.key = "acct-1/evt-5", .entity = "acct-1", .seq = 5},
+                                                 {.key = "acct-1/evt-4", .entity = "acct-1", .seq = 4},
+                                                 {.key = "acct-1/evt-1", .entity = "acct-1", .seq = 1},
+                                                 {.key = "acct-9/evt-1", .entity = "acct-9", .seq = 1}};
+  std::vector<std::string> ran;
+  auto r = f.gate.run_batch(f.guard, events, [&](const idem::SequencedEvent& ev) {
+    ran.emplace_back(ev.key);
+    return static_cast<long>(ev.seq);
+  });
+  CHECK(ran == std::vector<std::string>{"acct-1/evt-3", "acct-1/evt-5", "acct-9/evt-1"});
+  CHECK(r.outcomes[0].status == Status::executed);
+  CHECK(r.outcomes[1].status == Status::executed);
+  CHECK(r.outcomes[2].status == Status::in_flight);
+  CHECK(r.outcomes[2].retry_after == 0ms);
+  CHECK(r.action(2) == idem::BrokerAction::requeue);
+  CHECK(r.outcomes[3].status == Status::stale);
+  CHECK(r.outcomes[4].status == Status::executed);
+  CHECK(r.sequence[1].advanced);
+  CHECK(r.sequence[3].last_applied == 2u);
+  CHECK(f.gate.last_applied("acct-1") == 5u);
+  CHECK_FALSE(f.store.inspect("acct-1/evt-4").has_value());
+  // The redelivered 4 is stale now.
+  CHECK(f.gate.run_batch(f.guard, std::span(events).subspan(2, 1), [&](const idem::SequencedEvent&) { return 0L; })
+            .outcomes[0]
+            .status == Status::stale);
+
+  // Contiguous: only the first event of an entity runs in a batch; the next waits for it.
+  idem::SequenceGate strict{f.seqs, {.contiguous = true}};
+  const std::vector<idem::SequencedEvent> chain{{.key = "c/evt-1", .entity = "c", .seq = 1},
+                                                {.key = "c/evt-2", .entity = "c", .seq = 2}};
+  auto c = strict.run_batch(f.guard, chain, [&](const idem::SequencedEvent&) { return 1L; });
+  CHECK(c.outcomes[0].status == Status::executed);
+  CHECK(c.outcomes[1].status == Status::in_flight);
+  CHECK_FALSE(c.sequence[1].gap);
+  CHECK(strict.run_batch(f.guard, std::span(chain).subspan(1, 1), [&](const idem::SequencedEvent&) { return 2L; })
+            .outcomes[0]
+            .status == Status::executed);
+  CHECK(f.seqs.last_applied("c") == 2u);
 }

@@ -132,16 +132,26 @@ boost::asio::awaitable<void> keep_lease(Store& s, std::string key, Holder h, mil
 template <StateStore Store>
 template <class F>
 auto IdempotencyGuard<Store>::run_async(std::string key, std::string payload, F handler) {
+  return run_async_with_completion(std::move(key), std::move(payload), std::move(handler), nullptr);
+}
+
+template <StateStore Store>
+template <class F, class Complete>
+auto IdempotencyGuard<Store>::run_async_with_completion(std::string key, std::string payload, F handler,
+                                                        Complete complete) {
   static_assert(takes_context<F> || std::is_invocable_v<F&>,
                 "idem: the handler must be callable with () or with (const idem::Context&)");
-  static_assert(std::is_void_v<transaction_t<Store>>,
-                "idem: run_async does not run transactional stores (PostgresStore): use run() on a worker thread");
+  // A PostgresStore in lease mode runs here (its calls inline); its transactional mode cannot: the
+  // handler's writes would hold a transaction open across co_awaits on a shared thread.
+  if (machine_config_.transactional)
+    throw usage_error("idem: run_async does not run a store in transactional mode (the handler's transaction would "
+                      "stay open across co_await); use run() on a worker thread, or the store's lease mode");
   using Returned = std::decay_t<typename result_of<F>::type>;
   using R = std::decay_t<typename detail::awaited<Returned>::type>;
   static_assert(std::is_void_v<R> || Encodable<R>,
                 "idem: the handler's result type needs an idem::codec<T> specialisation (see codec.hpp)");
   // The coroutine driver: performs each step the machine asks for, awaiting the store.
-  return [](IdempotencyGuard* self, std::string k, std::string fp, F h) -> boost::asio::awaitable<Outcome<R>> {
+  return [](IdempotencyGuard* self, std::string k, std::string fp, F h, Complete c) -> boost::asio::awaitable<Outcome<R>> {
     using detail::Next;
     machine<R> m(self->machine_config_, k, std::move(fp));
     Store& store = *self->store_;
@@ -152,8 +162,14 @@ auto IdempotencyGuard<Store>::run_async(std::string key, std::string payload, F 
           try {
             if (m.call() == detail::Call::acquire)
               next = m.on_acquired(co_await detail::step_acquire(store, m.key(), m.acquire_params()));
-            else
+            else if constexpr (!std::is_null_pointer_v<Complete>) {
+              if (m.call() == detail::Call::complete)
+                next = m.on_written(co_await c(m.holder(), m.result(), m.retention()));
+              else
+                next = m.on_written(co_await detail::step_write(store, m));
+            } else {
               next = m.on_written(co_await detail::step_write(store, m));
+            }
           } catch (...) {
             failed = std::current_exception();
           }
@@ -210,7 +226,8 @@ auto IdempotencyGuard<Store>::run_async(std::string key, std::string payload, F 
         case Next::raise: std::rethrow_exception(m.error());
       }
     }
-  }(this, std::move(key), payload.empty() ? std::string{} : fingerprint(payload), std::move(handler));
+  }(this, std::move(key), payload.empty() ? std::string{} : fingerprint(payload), std::move(handler),
+         std::move(complete));
 }
 
 template <StateStore Store>

@@ -1,66 +1,9 @@
 #pragma once
-/// @file postgres/run_sequenced.hpp run_sequenced(): SequenceGate on a transactional-mode
-/// PostgresStore, whose advance commits with the business writes; refuses lease mode.
+/// @file postgres/run_sequenced.hpp run_sequenced() on a transactional-mode PostgresStore: the
+/// one run_sequenced of every transactional store (sequence/run_sequenced.hpp), with its stores.
 
-#include <cstdint>
-#include <string_view>
-#include <utility>
-
-#include "idem/core/error.hpp"
-#include "idem/core/validate.hpp"
-#include "idem/guard/guard.hpp"
 #include "idem/postgres/sequence_store.hpp"
 #include "idem/postgres/store.hpp"
-#include "idem/sequence/gate.hpp"
+#include "idem/sequence/run_sequenced.hpp"
 
-namespace idem {
-
-/**
- * Runs `handler` through a transactional-mode `guard` with the entity's sequence advanced in the
- * same transaction, before the handler: the business writes (through ctx.tx), the advance and the
- * idempotency record commit together, or — on a handler exception — roll back together.
- *
- * 1. `last_applied(entity) >= seq` → Status::stale at once (no transaction, no record).
- * 2. Otherwise the guard claims the key and, inside its transaction, advance(tx, entity, seq):
- *    not advanced (a newer event of the entity committed meanwhile) → the handler does not run,
- *    the transaction rolls back (the key is released, no failure counted) and the outcome is
- *    Status::stale; a redelivery answers stale at step 1. Advanced → the handler runs.
- *    With `options.contiguous` (deltas: payments, counters), step 1 also answers Status::in_flight
- *    with `gap = true` and `retry_after = options.gap_retry_after` when `seq` is not
- *    `last_applied + 1` (or `options.first` for a new entity): requeue it, it runs once its
- *    predecessor has committed. No transaction is opened and nothing is recorded for it.
- * 3. Guard outcomes pass through; a duplicate replays the stored value. The handler's exceptions
- *    propagate after the guard's failure policy, with the advance rolled back. `advanced` is true
- *    only when this call's advance committed.
- *
- * The stored result is the handler's, encoded by codec<R> as guard.run stores it. The handler takes
- * `const IdempotencyGuard<PostgresStore>::context_type&` (or nothing) and may return any Encodable R.
- * Throws usage_error when the store is not in transactional mode (use SequenceGate there).
- */
-template <class F>
-auto run_sequenced(IdempotencyGuard<PostgresStore>& guard, PostgresSequenceStore& seqs,
-                   const SequenceGateOptions& options, const SequencedEvent& ev, F&& handler) {
-  SequenceGate<PostgresSequenceStore> gate(seqs, options);
-  detail::check_entity(ev.entity, options.max_entity_bytes);
-  detail::check_key(ev.key, guard.options().max_key_bytes);
-  if (!guard.store().transactional())
-    throw usage_error(
-        "idem: run_sequenced needs a PostgresStore in transactional mode; use SequenceGate in lease mode");
-  return gate.run(guard, ev, std::forward<F>(handler));
-}
-
-/// run_sequenced with the default SequenceGateOptions (gaps allowed).
-template <class F>
-auto run_sequenced(IdempotencyGuard<PostgresStore>& guard, PostgresSequenceStore& seqs, const SequencedEvent& ev,
-                   F&& handler) {
-  return run_sequenced(guard, seqs, SequenceGateOptions{}, ev, std::forward<F>(handler));
-}
-
-/// Positional form of run_sequenced(guard, seqs, SequencedEvent{key, entity, seq}, handler).
-template <class F>
-auto run_sequenced(IdempotencyGuard<PostgresStore>& guard, PostgresSequenceStore& seqs, std::string_view key,
-                   std::string_view entity, std::uint64_t seq, F&& handler) {
-  return run_sequenced(guard, seqs, SequencedEvent{key, entity, seq, {}}, std::forward<F>(handler));
-}
-
-}  // namespace idem
+static_assert(idem::AdvancesInTransaction<idem::PostgresSequenceStore, idem::PostgresStore>);
