@@ -8,12 +8,12 @@
 
 #include "idem/idem.hpp"
 
-// After idem, on purpose: its own declarations of libcrypto's digest (core/platform.hpp) must
-// agree with OpenSSL's header, and idem.hpp must not have included it.
+// The fingerprint is compiled in libidem (src/core/fingerprint.cpp): no idem header brings
+// OpenSSL's, nor declares its functions.
 #ifdef EVP_MAX_MD_SIZE
 #error "idem.hpp included <openssl/evp.h>"
 #endif
-#include <openssl/evp.h>
+#include <openssl/evp.h>  // this test's own check of the digest
 
 using namespace std::chrono_literals;
 using Catch::Matchers::Contains;

@@ -55,6 +55,8 @@ struct GuardOptions {
 };
 
 namespace detail {
+/// "<hostname>:<pid>": the owner a guard records when GuardOptions::owner is empty (src/core/owner.cpp).
+std::string default_owner();
 inline void check_options(const GuardOptions& o) {
   check_lease(o.lease);
   check_retention(o.retention, o.lease);

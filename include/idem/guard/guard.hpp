@@ -18,7 +18,6 @@
 #include <utility>
 
 #include <fmt/core.h>
-#include <unistd.h>
 
 #include "idem/core/codec.hpp"
 #include "idem/detail/lease_keeper.hpp"
@@ -69,7 +68,7 @@ public:
                                                 options_.max_key_bytes, limits.max_key_bytes));
       machine_config_.max_result_bytes = limits.max_result_bytes;
     }
-    if (options_.owner.empty()) options_.owner = default_owner();
+    if (options_.owner.empty()) options_.owner = detail::default_owner();
     if (options_.cache_capacity > 0)
       cache_ = std::make_unique<detail::LruCache>(options_.cache_capacity, options_.retention);
     if (options_.heartbeat)
@@ -142,6 +141,13 @@ public:
   /// is fingerprinted as in run(key, payload, handler). Key and payload are copied.
   template <class F>
   auto run_async(std::string key, std::string payload, F handler);
+
+  /// Extension point for writing more in the completion's atomic step (SequenceGate::run_async):
+  /// run_async(key, payload, handler), but a lease-mode run completes through `complete(const
+  /// Holder&, std::string_view encoded_result, millis retention)`, which returns a
+  /// `boost::asio::awaitable<WriteStatus>`, instead of the store's complete. Defined in idem/asio/guard.hpp.
+  template <class F, class Complete>
+  auto run_async_with_completion(std::string key, std::string payload, F handler, Complete complete);
 
   /// run_async(key, payload, handler) spawned on `ex` (an executor or an execution context) and
   /// delivered to any Asio completion token: a callback taking `(std::exception_ptr, Outcome<R>)`,
@@ -294,12 +300,6 @@ private:
     } catch (...) {
       return m.on_threw(std::current_exception());
     }
-  }
-
-  static std::string default_owner() {
-    char host[256] = {};
-    if (::gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
-    return fmt::format("{}:{}", host, ::getpid());
   }
 
   Store* store_;
