@@ -3,6 +3,7 @@
 
 #include "idem/nats/consumer.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdlib>
@@ -37,7 +38,6 @@ NatsConsumerOptions checked(NatsConsumerOptions o) {
   if (o.in_progress_every.count() < 0) bad("in_progress_every", "is negative; use 0 for a third of AckWait");
   if (o.create_consumer && o.in_progress_every >= o.ack_wait)
     bad("in_progress_every", "is not below ack_wait: the server would redeliver between two signals");
-  if (o.nak_delay.count() < 0) bad("nak_delay", "is negative; use 0 to redeliver at once");
   if (o.timeout.count() < 1) bad("timeout", "must be positive");
   if (o.dead_letter.empty()) o.dead_letter = "idem.dlq." + o.stream;
   if (o.dead_letter == o.subject) bad("dead_letter", "is the consumed subject itself: a dead letter would come back");
@@ -328,8 +328,8 @@ void NatsConsumer::settle(std::span<const NatsDecision> decisions) {
                                             d.reason.empty() ? "requeued" : d.reason));
           break;
         }
-        const millis delay = d.delay.count() > 0 ? d.delay : m.opt.nak_delay;
-        const natsStatus s = natsMsg_NakWithDelay(msg, delay.count(), nullptr);
+        // The delay is idem::verdict's (jittered); 0 redelivers at once, as the verdict asked.
+        const natsStatus s = natsMsg_NakWithDelay(msg, std::max<millis::rep>(d.delay.count(), 0), nullptr);
         if (s != NATS_OK) nx::fail(s, jsErrCode{}, "handing a message back (NakWithDelay)");
         ++m.stats.nacked;
         break;
@@ -339,6 +339,24 @@ void NatsConsumer::settle(std::span<const NatsDecision> decisions) {
 }
 
 void NatsConsumer::release() noexcept { impl_->release(); }
+
+Delivery NatsConsumer::delivery(const NatsMessage& m) {
+  Delivery d;
+  d.id = std::to_string(m.stream_sequence);
+  if (const std::string* id = m.header("Nats-Msg-Id")) d.key = *id;
+  d.payload = m.data;
+  d.headers.reserve(m.headers.size());
+  for (const auto& [k, v] : m.headers) d.headers.emplace_back(k, v);
+  d.attempt = static_cast<std::uint32_t>(std::min<std::uint64_t>(std::max<std::uint64_t>(m.delivered, 1), UINT32_MAX));
+  return d;
+}
+
+void NatsConsumer::settle(std::span<const Verdict> verdicts) {
+  std::vector<NatsDecision> decisions;
+  decisions.reserve(verdicts.size());
+  for (const Verdict& v : verdicts) decisions.push_back({v.action, v.reason, v.delay});
+  settle(std::span<const NatsDecision>(decisions));
+}
 
 NatsDecision NatsConsumer::decide(const std::exception_ptr& e, const RetryPolicy& retry) {
   Verdict v = verdict(e, retry);

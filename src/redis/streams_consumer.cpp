@@ -77,6 +77,7 @@ struct StreamsConsumer::Impl {
   std::string own_cursor = "0";      // this name's own pending entries (a previous run's), read first
   bool own_done = false;
   std::chrono::steady_clock::time_point next_claim{};
+  std::vector<StreamEntry> polled;  // the last batch poll() returned, for settle(verdicts)
 
   explicit Impl(StreamsConsumerOptions o) : opt(checked(std::move(o))), client(opt.redis) {}
 
@@ -166,14 +167,35 @@ StreamsConsumer::StreamsConsumer(StreamsConsumerOptions options) : impl_(std::ma
 StreamsConsumer::~StreamsConsumer() = default;
 
 std::vector<StreamEntry> StreamsConsumer::poll() {
-  if (!impl_->own_done) {
-    auto own = impl_->read_own();
-    if (!own.empty()) return own;
-  }
-  auto claimed = impl_->claim();
-  if (!claimed.empty()) return claimed;
-  return impl_->read_new();
+  impl_->polled.clear();
+  std::vector<StreamEntry> batch;
+  if (!impl_->own_done) batch = impl_->read_own();
+  if (batch.empty()) batch = impl_->claim();
+  if (batch.empty()) batch = impl_->read_new();
+  impl_->polled = batch;
+  return batch;
 }
+
+Delivery StreamsConsumer::delivery(const StreamEntry& e) {
+  Delivery d;
+  d.id = e.id;
+  if (const std::string* id = e.field("id")) d.key = *id;
+  if (const std::string* payload = e.field("payload")) d.payload = *payload;
+  d.headers.reserve(e.fields.size());
+  for (const auto& [k, v] : e.fields) d.headers.emplace_back(k, v);
+  return d;
+}
+
+void StreamsConsumer::settle(std::span<const Verdict> verdicts) {
+  std::vector<StreamDecision> decisions;
+  decisions.reserve(verdicts.size());
+  for (const Verdict& v : verdicts) decisions.push_back({v.action, v.reason});
+  const std::vector<StreamEntry> batch = std::move(impl_->polled);
+  impl_->polled.clear();
+  settle(batch, decisions);
+}
+
+void StreamsConsumer::release() noexcept { impl_->polled.clear(); }
 
 void StreamsConsumer::settle(std::span<const StreamEntry> entries, std::span<const StreamDecision> decisions) {
   if (entries.size() != decisions.size())

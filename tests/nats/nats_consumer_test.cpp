@@ -3,6 +3,9 @@
 // dead-lettered once and Term'd; a handler slower than AckWait kept alive by InProgress; the server
 // restarted mid-run with nothing lost or doubled.
 #include <catch2/catch.hpp>
+#include <csignal>
+#include <unistd.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <chrono>
@@ -45,7 +48,6 @@ idem::NatsConsumerOptions options(const std::string& stream, const std::string& 
   o.batch = 4;
   o.fetch_wait = 100ms;
   o.ack_wait = 2000ms;
-  o.nak_delay = 50ms;
   o.timeout = 2000ms;
   return o;
 }
@@ -96,7 +98,6 @@ TEST_CASE("NatsConsumer: bad options are refused at construction, naming the fie
   x = o; x.fetch_wait = 0ms; refused(x, "fetch_wait");
   x = o; x.max_deliver = 0; refused(x, "max_deliver");
   x = o; x.in_progress_every = 2000ms; refused(x, "in_progress_every");
-  x = o; x.nak_delay = -1ms; refused(x, "nak_delay");
   x = o; x.dead_letter = "s.in"; refused(x, "dead_letter");
   // A server that is not there is a retryable connection error, not a hang.
   x = o; x.url = "nats://127.0.0.1:" + std::to_string(idem::test::nats::free_port());
@@ -193,6 +194,57 @@ TEST_CASE("NatsConsumer: a poison message is dead-lettered once, with why and wh
   CHECK(header("Idem-Stream-Sequence") == "1");
   CHECK(header("Idem-Delivered") == "3");
   natsMsg_Destroy(letter);
+}
+
+TEST_CASE("idem::consume over NatsConsumer: each key once, its outbox id honoured, a poison message dead-lettered") {
+  Client client(server().url());
+  const std::string stream = unique("CO"), subject = "co." + stream;
+  client.add_stream(stream, subject);
+  client.add_stream(stream + "_DLQ", "idem.dlq." + stream);
+  // 30 payments, 6 of them published twice (a producer's retry), keyed by their Idem-Key header
+  // through ConsumeOptions::key_of; then a poison one.
+  for (int i = 0; i < 30; ++i) {
+    client.publish(subject, "pay-" + std::to_string(i), std::to_string(i));
+    if (i % 5 == 0) client.publish(subject, "pay-" + std::to_string(i), std::to_string(i));
+  }
+  client.publish(subject, "poison", "x");
+  idem::MemoryStore store;
+  idem::IdempotencyGuard guard{store, {.lease = 2s, .retention = 1h,
+                                       .failure = {idem::FailureMode::record, 2, 10ms, 10ms}}};
+  std::map<std::string, int> applied;
+  auto o = options(stream, subject);
+  o.ack_wait = 1000ms;
+  idem::NatsConsumer consumer(o);
+  static_assert(idem::Source<idem::NatsConsumer>);
+  idem::ConsumeOptions co;
+  co.retry = {.base = 10ms, .cap = 50ms};
+  co.key_of = [](const idem::Delivery& d) { return std::string(d.header("Idem-Key").value_or("")); };
+  {
+    std::jthread t([&](std::stop_token st) {
+      idem::consume(consumer, guard, st, [&](const idem::Delivery& d) {
+        const std::string key(*d.header("Idem-Key"));
+        if (key == "poison") throw std::runtime_error("cannot parse the order");
+        CHECK(d.attempt >= 1);
+        return ++applied[key];
+      }, co);
+    });
+    REQUIRE(drained(client, stream, 15s));
+  }
+  CHECK(applied.size() == 30);
+  for (const auto& [k, n] : applied) CHECK(n == 1);
+  CHECK(consumer.stats().dead_lettered == 1);
+  CHECK(client.stream_messages(stream + "_DLQ") == 1);
+  // The default key: Nats-Msg-Id, and the outbox's header over it.
+  idem::NatsMessage m;
+  m.headers = {{"Nats-Msg-Id", "n-1"}};
+  m.stream_sequence = 7;
+  m.delivered = 2;
+  const idem::Delivery d = idem::NatsConsumer::delivery(m);
+  CHECK(idem::key_of(d) == "n-1");
+  CHECK(d.id == "7");
+  CHECK(d.attempt == 2);
+  m.headers.emplace_back("idem-outbox-id", "outbox-9");
+  CHECK(idem::key_of(idem::NatsConsumer::delivery(m)) == "outbox-9");
 }
 
 TEST_CASE("NatsConsumer: a batch handled for longer than AckWait is kept alive by InProgress, never redelivered mid-run") {
@@ -336,3 +388,49 @@ TEST_CASE("NatsConsumer::decide: every status and exception through idem::verdic
   CHECK(idem::NatsConsumer::decide(std::make_exception_ptr(idem::invalid_key_error("no key"))).action ==
         idem::BrokerAction::dead_letter);
 }
+
+#ifdef IDEM_NATS_TEMPLATE
+TEST_CASE("nats_consumer template: a consumer process applies each payment once, keyed on the outbox's id") {
+  Client client(server().url());
+  const std::string stream = unique("TPL"), subject = "tpl." + stream;
+  client.add_stream(stream, subject);
+  client.add_stream(stream + "_DLQ", "idem.dlq." + stream);
+  for (int i = 0; i < 60; ++i) {
+    const std::string body = "acct-" + std::to_string(i % 7) + ";" + std::to_string(i);
+    client.publish_with(subject, body, {{"Nats-Msg-Id", "m-" + std::to_string(i)}, {"idem-outbox-id", std::to_string(i)}});
+    // The relay's re-send after a crash: a new Nats-Msg-Id (past the server's window), the same outbox id.
+    if (i % 6 == 0)
+      client.publish_with(subject, body, {{"Nats-Msg-Id", "again-" + std::to_string(i)}, {"idem-outbox-id", std::to_string(i)}});
+  }
+  client.publish_with(subject, "poison;1", {{"Nats-Msg-Id", "p"}});
+  client.publish_with(subject, "acct-1;5", {});  // no key at all
+  int out[2];
+  REQUIRE(::pipe(out) == 0);
+  const std::string url = server().url();
+  const pid_t pid = ::fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    ::dup2(out[1], 1);
+    ::execl(IDEM_NATS_TEMPLATE, IDEM_NATS_TEMPLATE, "--url", url.c_str(), "--stream", stream.c_str(), "--subject",
+            subject.c_str(), static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ::close(out[1]);
+  const auto deadline = std::chrono::steady_clock::now() + 30s;
+  while (std::chrono::steady_clock::now() < deadline && client.stream_messages(stream + "_DLQ") < 2)
+    std::this_thread::sleep_for(50ms);
+  const bool done = drained(client, stream, 30s);
+  ::kill(pid, SIGTERM);
+  std::string printed;
+  char buf[512];
+  for (ssize_t n; (n = ::read(out[0], buf, sizeof buf)) > 0;) printed.append(buf, static_cast<std::size_t>(n));
+  ::close(out[0]);
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  CHECK(done);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(client.stream_messages(stream + "_DLQ") == 2);  // the poison payment and the one without a key
+  CHECK_THAT(printed, Catch::Contains("applied 60 payments to 7 accounts"));
+}
+#endif

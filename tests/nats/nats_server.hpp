@@ -172,6 +172,19 @@ public:
   }
 
   /// Publishes `data` to `subject` with header Idem-Key: key (and Nats-Msg-Id when given).
+  // Publishes `data` with exactly these headers (acknowledged by JetStream).
+  void publish_with(const std::string& subject, const std::string& data,
+                    const std::vector<std::pair<std::string, std::string>>& headers) {
+    natsMsg* m = nullptr;
+    natsMsg_Create(&m, subject.c_str(), nullptr, data.data(), static_cast<int>(data.size()));
+    for (const auto& [k, v] : headers) natsMsgHeader_Add(m, k.c_str(), v.c_str());
+    jsPubAck* pa = nullptr;
+    jsErrCode code{};
+    const natsStatus s = js_PublishMsg(&pa, js_, m, nullptr, &code);
+    natsMsg_Destroy(m);
+    if (pa != nullptr) jsPubAck_Destroy(pa);
+    if (s != NATS_OK) throw std::runtime_error("test: publish to " + subject + " failed: " + natsStatus_GetText(s));
+  }
   void publish(const std::string& subject, const std::string& key, const std::string& data, const std::string& msg_id = {}) {
     natsMsg* m = nullptr;
     natsMsg_Create(&m, subject.c_str(), nullptr, data.data(), static_cast<int>(data.size()));

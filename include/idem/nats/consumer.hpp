@@ -19,6 +19,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/detail/consume_loop.hpp"
+#include "idem/guard/consume.hpp"
 #include "idem/guard/verdict.hpp"
 
 namespace idem {
@@ -42,7 +43,7 @@ struct NatsMessage {
 struct NatsDecision {
   BrokerAction action = BrokerAction::requeue;  ///< ack, requeue (NakWithDelay), dead_letter (publish + Term)
   std::string reason;                           ///< for a dead letter: what went wrong
-  millis delay{0};                              ///< for a requeue: redeliver after this (0: the consumer's nak_delay)
+  millis delay{0};                              ///< for a requeue: redeliver after this (idem::verdict's wait)
 };
 
 /// Settings of a NatsConsumer; checked at construction (invalid_options_error names the field).
@@ -56,7 +57,6 @@ struct NatsConsumerOptions {
   millis ack_wait{30'000};                     ///< the durable's AckWait when created here; keep it >= the guard's lease
   std::int64_t max_deliver = -1;               ///< the durable's MaxDeliver when created here (-1: unlimited)
   millis in_progress_every{0};                 ///< InProgress interval while a batch is handled (0: a third of AckWait)
-  millis nak_delay{1000};                      ///< redelivery delay of a requeue without its own retry_after; >= 0
   std::string dead_letter;                     ///< the dead-letter subject (default: `idem.dlq.<stream>`)
   bool dead_letter_jetstream = true;           ///< publish dead letters through JetStream (stored before the Term)
   bool create_consumer = true;                 ///< create (or update) the durable at construction
@@ -80,7 +80,7 @@ struct NatsConsumerStats {
  * fetches up to `batch` messages (waiting up to `fetch_wait`); from then until `settle()` a keeper
  * thread sends InProgress for every unsettled one every `in_progress_every`, so a slow handler (or
  * a long batch) is not redelivered mid-run. `settle()` applies one decision per message: ack
- * (AckSync), requeue (NakWithDelay: the outcome's retry_after, else `nak_delay`; a message at its
+ * (AckSync), requeue (NakWithDelay: the decision's delay; a message at its
  * last delivery is dead-lettered instead, since JetStream would drop it silently), dead_letter
  * (published to `dead_letter` with headers saying why and where from, then Term, so it is never
  * redelivered). `decide()` maps the guard's outcome or exception to a decision; `run()` is the loop.
@@ -100,8 +100,17 @@ public:
   NatsConsumer(const NatsConsumer&) = delete;             ///< Owns a connection.
   NatsConsumer& operator=(const NatsConsumer&) = delete;  ///< Owns a connection.
 
+  /// The messages poll() returns (idem::Source).
+  using message_type = NatsMessage;
+
   /// The next messages (may be empty after `fetch_wait`); a batch left unsettled is released first.
   std::vector<NatsMessage> poll();
+  /// `m` as idem::consume sees it: key = its `Nats-Msg-Id` (the outbox's id when the relay sent
+  /// it), id = its stream sequence, attempt = its delivery count, every header.
+  static Delivery delivery(const NatsMessage& m);
+  /// Applies verdicts[i] to the polled batch's message i (idem::Source): ack, NakWithDelay(delay),
+  /// or dead letter with the reason.
+  void settle(std::span<const Verdict> verdicts);
   /// Drops the polled batch unsettled: no more InProgress, JetStream redelivers it after AckWait.
   void release() noexcept;
   /// Applies decisions[i] to the polled batch's message i; throws on a connection error (what was

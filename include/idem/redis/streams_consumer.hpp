@@ -18,6 +18,7 @@
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/detail/consume_loop.hpp"
+#include "idem/guard/consume.hpp"
 #include "idem/guard/verdict.hpp"
 #include "idem/redis/options.hpp"
 
@@ -87,8 +88,20 @@ public:
   StreamsConsumer(const StreamsConsumer&) = delete;            ///< Owns a connection.
   StreamsConsumer& operator=(const StreamsConsumer&) = delete;  ///< Owns a connection.
 
+  /// The entries poll() returns (idem::Source).
+  using message_type = StreamEntry;
+
   /// The next entries: taken over from dead consumers first, else new (may be empty after `block`).
   std::vector<StreamEntry> poll();
+  /// `e` as idem::consume sees it: key = its `id` field (the outbox's id when the relay wrote it),
+  /// payload = its `payload` field, every field as a header (key any field with ConsumeOptions::key_of).
+  static Delivery delivery(const StreamEntry& e);
+  /// Applies verdicts[i] to the last polled batch's entry i (idem::Source): ack, dead letter, or
+  /// left pending (a requeue's delay is claim_idle). Throws as settle(entries, decisions).
+  void settle(std::span<const Verdict> verdicts);
+  /// Forgets the polled batch unsettled (idem::Source): its entries stay pending and are taken over
+  /// after claim_idle.
+  void release() noexcept;
   /// Applies decisions[i] to entries[i] (dead letters first, then one XACK); throws on a store error
   /// (the entries stay pending and come back).
   void settle(std::span<const StreamEntry> entries, std::span<const StreamDecision> decisions);
