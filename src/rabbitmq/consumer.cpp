@@ -4,7 +4,6 @@
 
 #include <amqp.h>
 #include <amqp_framing.h>
-#include <amqp_tcp_socket.h>
 #include <sys/time.h>
 
 #include <algorithm>
@@ -13,6 +12,8 @@
 #include <utility>
 
 #include <fmt/format.h>
+
+#include "amqp_connection.hpp"
 
 namespace idem {
 
@@ -46,6 +47,7 @@ RabbitConsumerOptions checked(RabbitConsumerOptions o) {
   auto bad = [](const char* field, const std::string& why) {
     throw invalid_options_error(fmt::format("idem: RabbitConsumerOptions::{} {}", field, why));
   };
+  detail::amqp::apply_url(o, "RabbitConsumerOptions");
   if (o.queue.empty()) bad("queue", "is empty: name the queue to consume");
   if (o.host.empty()) bad("host", "is empty");
   if (o.port < 1 || o.port > 65535) bad("port", fmt::format("is {}; use 1..65535", o.port));
@@ -53,6 +55,7 @@ RabbitConsumerOptions checked(RabbitConsumerOptions o) {
   detail::check_retry(o.retry, "RabbitConsumerOptions::retry");
   if (o.connect_timeout.count() < 1) bad("connect_timeout", "must be positive");
   if (o.heartbeat_s < 0) bad("heartbeat_s", "is negative");
+  detail::amqp::check_tls(o, "RabbitConsumerOptions");
   return o;
 }
 
@@ -100,12 +103,14 @@ struct RabbitConsumer::Impl {
   void connect() {
     if (conn) return;
     conn = amqp_new_connection();
-    amqp_socket_t* sock = amqp_tcp_socket_new(conn);
-    if (!sock) broken("cannot create a socket");
+    if (!conn) broken("cannot create a connection (out of memory)");
     const auto ms = opt.connect_timeout.count();
     timeval tv{static_cast<time_t>(ms / 1000), static_cast<suseconds_t>((ms % 1000) * 1000)};
-    if (int rc = amqp_socket_open_noblock(sock, opt.host.c_str(), opt.port, &tv); rc != AMQP_STATUS_OK)
-      broken(fmt::format("connect: {}", amqp_error_string2(rc)));
+    if (const detail::amqp::Opened opened = detail::amqp::open_socket(conn, opt, &tv); !opened) {
+      if (opened.retryable()) broken(opened.what);
+      close(false);  // a refused certificate or an unloadable TLS file: reconnecting cannot help
+      throw connection_error(fmt::format("idem: RabbitMQ at {}: {}", where(), opened.what), "TLS", false);
+    }
     const amqp_rpc_reply_t login = amqp_login(conn, opt.vhost.c_str(), 0, 131072, opt.heartbeat_s,
                                               AMQP_SASL_METHOD_PLAIN, opt.user.c_str(), opt.password.c_str());
     if (login.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION) {  // refused credentials or vhost: no retry helps

@@ -15,6 +15,10 @@
 # its ports), each bounded by 60 s. A node that cannot start is an error (exit 1), never a skip.
 # Every process is stopped by its PID or process group, never by name: SIGTERM to the node's PID
 # (or rabbitmqctl stop), then its process group if anything is left, then our epmd.
+#
+# With IDEM_RABBITMQ_TLS_DIR set (a dir with ca.pem, server.pem, server.key: what
+# tests/support/rabbitmq_tls_broker.sh makes) the node also has a TLS listener on a free port of
+# 127.0.0.1 -> STATE_DIR/tls_port (verify_peer, a client certificate optional). Unset: no change.
 set -uo pipefail
 
 cmd=${1:?usage: rabbitmq_broker.sh start|halt|resume|stop STATE_DIR}
@@ -124,6 +128,12 @@ start)
   : >"$tmp/rabbitmq-env.conf"
   : >"$tmp/rabbitmq.conf"
   echo "[]." >"$tmp/enabled_plugins"
+  tls_src=${IDEM_RABBITMQ_TLS_DIR:-}
+  if [[ -n $tls_src ]]; then  # the node's copies, readable by the rabbitmq user
+    mkdir -p "$tmp/tls" && cp "$tls_src/ca.pem" "$tls_src/server.pem" "$tls_src/server.key" "$tmp/tls/" ||
+      { echo "rabbitmq_broker.sh: IDEM_RABBITMQ_TLS_DIR=$tls_src has no ca.pem, server.pem, server.key" >&2
+        "$0" stop "$state"; exit 1; }
+  fi
   [[ $(id -u) -eq 0 ]] && chown -R rabbitmq:rabbitmq "$tmp"
   echo "$tmp" >"$state/dir"
   echo "$node" >"$state/node"
@@ -131,9 +141,24 @@ start)
     amqp_port=$(pick_port) && dist_port=$(pick_port) && epmd_port=$(pick_port) ||
       { echo "rabbitmq_broker.sh: no free port found" >&2; exit 1; }
     echo "$amqp_port $dist_port $epmd_port" >"$state/ports"
+    if [[ -n $tls_src ]]; then
+      tls_port=$amqp_port
+      while [[ " $amqp_port $dist_port $epmd_port " == *" $tls_port "* ]]; do
+        tls_port=$(pick_port) || { echo "rabbitmq_broker.sh: no free port found" >&2; exit 1; }
+      done
+      cat >"$tmp/rabbitmq.conf" <<EOF_TLS
+listeners.ssl.default = 127.0.0.1:$tls_port
+ssl_options.cacertfile = $tmp/tls/ca.pem
+ssl_options.certfile = $tmp/tls/server.pem
+ssl_options.keyfile = $tmp/tls/server.key
+ssl_options.verify = verify_peer
+ssl_options.fail_if_no_peer_cert = false
+EOF_TLS
+    fi
     set_env
     rm -rf "$tmp/mnesia" "$tmp/log"
     if boot; then
+      [[ -n $tls_src ]] && echo "$tls_port" >"$state/tls_port"
       echo "$amqp_port" >"$state/port"
       exit 0
     fi
@@ -163,7 +188,7 @@ stop)
     rm -rf "$tmp"
   fi
   # Only the files this script wrote: STATE_DIR itself goes only if nothing else is in it.
-  rm -f "$state"/{dir,node,ports,port,server_pid}
+  rm -f "$state"/{dir,node,ports,port,server_pid,tls_port}
   rmdir "$state" 2>/dev/null || true
   ;;
 *)

@@ -14,6 +14,11 @@ namespace idem {
 
 /// Settings of a RabbitMqPublisher; checked by its constructor (invalid_options_error).
 struct RabbitMqPublisherOptions {
+  /// `amqp://user:password@host:port/vhost` or `amqps://...` (TLS); when set, it replaces host and
+  /// port (5672, or 5671 for amqps, when absent) and the user, password and vhost it has
+  /// (percent-decoded: the vhost "/" is "%2f"), and amqps:// turns tls on. A malformed URL, or
+  /// amqp:// with tls on, is an invalid_options_error.
+  std::string url;
   /// Broker host name or address.
   std::string host = "127.0.0.1";
   /// AMQP port, 1..65535.
@@ -24,6 +29,21 @@ struct RabbitMqPublisherOptions {
   std::string user = "guest";
   /// Password of the PLAIN login (never quoted in a message).
   std::string password = "guest";
+  /// TLS (rabbitmq-c's OpenSSL socket); amqps:// sets it. A TLS listener is usually port 5671.
+  bool tls = false;
+  /// PEM CA certificates the broker's certificate must chain to; empty: the system's default CA
+  /// bundle (SSL_CERT_FILE, else OpenSSL's cert.pem). Must exist when set.
+  std::string ca_file;
+  /// PEM client certificate (chain) for mutual TLS; set together with key_file.
+  std::string cert_file;
+  /// Unencrypted PEM private key of cert_file; set together with cert_file.
+  std::string key_file;
+  /// Check the broker's certificate against ca_file; a refused one is a publish_error that is not
+  /// retryable.
+  bool verify_peer = true;
+  /// Check that the certificate names `host` (its DNS names: to connect by IP address, the
+  /// certificate needs the address as a DNS name too); a mismatch is refused as above.
+  bool verify_hostname = true;
   /// Bound on connecting (TCP connect, login, channel open) and, separately, on one publish()'s
   /// sends and the wait for all its confirms; > 0.
   millis timeout{30'000};
@@ -47,15 +67,16 @@ struct RabbitMqPublisherOptions {
  * connection or no confirm within options.timeout throws publish_error: retryable, since a queue
  * declared or a broker back later lets the same batch through (the message says what to check).
  * A broken connection is reopened by the next publish(). Destinations AMQP cannot carry (names
- * over 255 bytes) throw a publish_error that is not retryable.
+ * over 255 bytes) and a TLS certificate the options refuse (wrong CA, wrong host name: the message
+ * says "TLS certificate verification failed") throw a publish_error that is not retryable.
  *
  * Thread-safe: publish() calls are serialised by a mutex (the relay makes one at a time).
  * Move-only; a moved-from publisher throws usage_error.
  */
 class RabbitMqPublisher final : public OutboxPublisher {
 public:
-  /// Checks the options; connects at the first publish(), so a broker down at startup is a
-  /// retryable publish_error there, not a failed construction.
+  /// Checks the options (the url parsed, the TLS files loaded); connects at the first publish(),
+  /// so a broker down at startup is a retryable publish_error there, not a failed construction.
   explicit RabbitMqPublisher(RabbitMqPublisherOptions options);
   ~RabbitMqPublisher() override;  ///< Closes the connection.
   RabbitMqPublisher(RabbitMqPublisher&&) noexcept;             ///< Takes over the connection.

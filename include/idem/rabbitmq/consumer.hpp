@@ -21,11 +21,28 @@ namespace idem {
 
 /// Settings of a RabbitConsumer; checked at construction (invalid_options_error names the field).
 struct RabbitConsumerOptions {
+  /// `amqp://user:password@host:port/vhost` or `amqps://...` (TLS); when set, it replaces host and
+  /// port (5672, or 5671 for amqps, when absent) and the user, password and vhost it has
+  /// (percent-decoded: the vhost "/" is "%2f"), and amqps:// turns tls on. A malformed URL, or
+  /// amqp:// with tls on, is an invalid_options_error.
+  std::string url;
   std::string host = "127.0.0.1";  ///< the broker
-  int port = 5672;                 ///< its AMQP port
+  int port = 5672;                 ///< its AMQP port (a TLS listener is usually 5671)
   std::string vhost = "/";         ///< virtual host
   std::string user = "guest";      ///< login
   std::string password = "guest";  ///< password
+  bool tls = false;           ///< TLS (rabbitmq-c's OpenSSL socket); amqps:// sets it
+  /// PEM CA certificates the broker's certificate must chain to; empty: the system's default CA
+  /// bundle (SSL_CERT_FILE, else OpenSSL's cert.pem). Must exist when set.
+  std::string ca_file;
+  std::string cert_file;       ///< PEM client certificate (chain) for mutual TLS; with key_file
+  std::string key_file;        ///< its unencrypted PEM private key; with cert_file
+  /// Check the broker's certificate against ca_file. A refused certificate is a connection_error
+  /// that is not retryable (code "TLS"): run() throws it instead of reconnecting.
+  bool verify_peer = true;
+  /// Check that the certificate names `host` (its DNS names: to connect by IP address, the
+  /// certificate needs the address as a DNS name too). A mismatch is refused as above.
+  bool verify_hostname = true;
   std::string queue;               ///< the queue to consume (required)
   std::uint16_t prefetch = 50;     ///< unacked deliveries in flight (basic.qos), 1..65535
   /// Declare the topology at construction: `queue` (durable) whose dead-letter exchange
@@ -74,8 +91,9 @@ struct RabbitConsumerStats {
  * two copies, which the guard answers as a duplicate; with a zero delay it is a plain nack).
  * Nothing is acked before its outcome is known. A lost connection or channel is thrown as a
  * retryable connection_error; the next call reconnects, and the broker redelivers whatever was
- * unacked (the guard answers duplicates). `run()` is the loop. One thread per consumer; stats()
- * may be read from any thread.
+ * unacked (the guard answers duplicates). A refused login or TLS certificate is a connection_error
+ * that is not retryable. `run()` is the loop. One thread per consumer; stats() may be read from
+ * any thread.
  */
 class RabbitConsumer {
 public:
@@ -103,7 +121,8 @@ public:
   RabbitDecision decide(const std::exception_ptr& e) const;
 
   /// Until `stop`: next(), `handle(const RabbitDelivery&) -> RabbitDecision`, settle(). A lost
-  /// connection backs off up to 1 s and reconnects; other errors are thrown.
+  /// connection backs off up to 1 s and reconnects; other errors (a refused login or TLS
+  /// certificate among them) are thrown.
   template <class Handle>
   void run(std::stop_token stop, Handle&& handle) {
     detail::consume_loop(

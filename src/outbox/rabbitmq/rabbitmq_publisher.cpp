@@ -7,7 +7,6 @@
 #include <amqp.h>
 #include <fmt/format.h>
 #include <amqp_framing.h>
-#include <amqp_tcp_socket.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 
@@ -17,6 +16,8 @@
 #include <mutex>
 #include <string_view>
 #include <vector>
+
+#include "amqp_connection.hpp"  // src/rabbitmq: the URL, the TLS checks and the socket, shared with RabbitConsumer
 
 namespace idem {
 
@@ -73,12 +74,14 @@ public:
     auto bad = [](const std::string& what) {
       throw invalid_options_error(fmt::format("RabbitMqPublisherOptions: {}", what));
     };
+    detail::amqp::apply_url(options_, "RabbitMqPublisherOptions");
     if (options_.host.empty()) bad("host is empty");
     if (options_.port < 1 || options_.port > 65535) bad(fmt::format("port {} is not 1..65535", options_.port));
     if (options_.timeout.count() <= 0) bad("timeout must be > 0 ms");
     if (options_.user.empty()) bad("user is empty (RabbitMQ's default is \"guest\")");
     if (options_.key_header.empty() || options_.key_header.size() > 255)
       bad("key_header must be 1..255 bytes (an AMQP header name)");
+    detail::amqp::check_tls(options_, "RabbitMqPublisherOptions");
   }
   ~Impl() { disconnect(/*graceful=*/true); }
 
@@ -115,11 +118,13 @@ private:
 
   void connect() {
     conn_ = amqp_new_connection();
-    amqp_socket_t* sock = conn_ ? amqp_tcp_socket_new(conn_) : nullptr;
-    if (!sock) lost("cannot create a connection (out of memory)");
+    if (!conn_) lost("cannot create a connection (out of memory)");
     timeval tv = to_timeval(options_.timeout);
-    if (int rc = amqp_socket_open_noblock(sock, options_.host.c_str(), options_.port, &tv); rc != AMQP_STATUS_OK)
-      lost(fmt::format("cannot connect: {}; check that the broker is up and reachable", amqp_error_string2(rc)));
+    if (const detail::amqp::Opened opened = detail::amqp::open_socket(conn_, options_, &tv); !opened) {
+      if (opened.retryable()) lost(opened.what);
+      disconnect(false);  // a refused certificate or an unloadable TLS file: sending again cannot help
+      throw publish_error(fmt::format("{}: {}; retrying cannot help", where(), opened.what), false);
+    }
     amqp_set_handshake_timeout(conn_, &tv);
     amqp_set_rpc_timeout(conn_, &tv);
     // Sends are bounded too: a broker that stops reading (memory alarm) fails the batch instead of
