@@ -117,6 +117,8 @@ int main(int argc, char** argv) try {
   Store store;
   idem::IdempotencyGuard<Store> guard(store, g);
   Ledger ledger;
+  // The key is the payload's event id. On a topic the outbox relay feeds, drop this function:
+  // guarded(guard, handler) keys on the header idem-outbox-id (outbox_id_or(f): that header, else f).
   auto processor = idem::kafka::guarded(
       guard,
       // An unreadable payload gets an empty key, which the guard refuses: it goes to the dead-letter topic.

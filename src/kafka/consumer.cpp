@@ -16,7 +16,7 @@
 #include <optional>
 #include <thread>
 
-#include "idem/kafka/rdkafka.hpp"
+#include "rdkafka.hpp"
 
 namespace idem::kafka {
 
@@ -410,19 +410,29 @@ struct Consumer::Impl {
     const auto current = tracker.epoch(tp.topic, tp.partition);
     std::vector<Message> messages;
     std::vector<Epoch> epochs;
+    std::vector<Header> headers;  // every message's, in batch order: views into the librdkafka messages
+    std::vector<std::size_t> header_counts;
     for (const Queued& q : batch) {
       if (!current || q.epoch != *current) {
         counters.dropped_revoked.fetch_add(1);
         continue;
       }
-      messages.push_back({tp.topic,
-                          tp.partition,
-                          q.msg->offset,
-                          {static_cast<const char*>(q.msg->key), q.msg->key_len},
-                          {static_cast<const char*>(q.msg->payload), q.msg->len}});
+      messages.push_back({.topic = tp.topic,
+                          .partition = tp.partition,
+                          .offset = q.msg->offset,
+                          .key = {static_cast<const char*>(q.msg->key), q.msg->key_len},
+                          .value = {static_cast<const char*>(q.msg->payload), q.msg->len},
+                          .timestamp = timestamp_of(q.msg)});
+      header_counts.push_back(append_headers(q.msg, headers));
       epochs.push_back(q.epoch);
     }
     if (messages.empty()) return;
+    // Spans taken once `headers` no longer grows.
+    std::size_t first = 0;
+    for (std::size_t i = 0; i < messages.size(); ++i) {
+      messages[i].headers = std::span<const Header>(headers).subspan(first, header_counts[i]);
+      first += header_counts[i];
+    }
     std::vector<Verdict> verdicts(messages.size());
     try {
       processor.process(messages, verdicts);

@@ -1,10 +1,11 @@
-// The consumer loop's pieces over librdkafka (include/idem/kafka/rdkafka.hpp).
+// The consumer loop's pieces over librdkafka (rdkafka.hpp, internal).
 
-#include "idem/kafka/rdkafka.hpp"
+#include "rdkafka.hpp"
 
 #include <fmt/format.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <string>
 
@@ -130,6 +131,28 @@ void seek(rd_kafka_t* rk, const TopicPartition& tp, std::int64_t offset, int tim
     throw kafka_error(fmt::format("seek {}/{} to {}: {}", tp.topic, tp.partition, offset, rd_kafka_err2str(e)), e);
 }
 
+std::size_t append_headers(rd_kafka_message_t* m, std::vector<Header>& out) {
+  rd_kafka_headers_t* h = nullptr;
+  // NOENT: none; another error: headers librdkafka could not parse, read as none.
+  if (rd_kafka_message_headers(m, &h) != RD_KAFKA_RESP_ERR_NO_ERROR || !h) return 0;
+  const std::size_t before = out.size();
+  const char* name = nullptr;
+  const void* value = nullptr;
+  std::size_t size = 0;
+  for (std::size_t i = 0; rd_kafka_header_get_all(h, i, &name, &value, &size) == RD_KAFKA_RESP_ERR_NO_ERROR; ++i)
+    out.push_back({name, value ? std::string_view(static_cast<const char*>(value), size) : std::string_view()});
+  return out.size() - before;
+}
+
+std::optional<Timestamp> timestamp_of(const rd_kafka_message_t* m) {
+  rd_kafka_timestamp_type_t type = RD_KAFKA_TIMESTAMP_NOT_AVAILABLE;
+  const std::int64_t ms = rd_kafka_message_timestamp(m, &type);
+  if (type == RD_KAFKA_TIMESTAMP_NOT_AVAILABLE || ms < 0) return std::nullopt;
+  return Timestamp{
+      .time = std::chrono::system_clock::time_point(std::chrono::milliseconds(ms)),
+      .type = type == RD_KAFKA_TIMESTAMP_LOG_APPEND_TIME ? TimestampType::log_append_time : TimestampType::create_time};
+}
+
 DeadLetterProducer::DeadLetterProducer(const std::string& brokers,
                                        const std::map<std::string, std::string>& properties) {
   rd_kafka_conf_t* conf = rd_kafka_conf_new();
@@ -159,18 +182,27 @@ DeadLetterProducer::~DeadLetterProducer() {
 void DeadLetterProducer::write(const std::string& topic, const Message& m, std::string_view reason) {
   std::lock_guard lock(mu_);
   const std::string partition = std::to_string(m.partition), offset = std::to_string(m.offset);
+  // The original headers first, in order (idem-outbox-id among them: a replay of the letter keeps
+  // its key), then idem's: a reader taking the last header of a name gets idem's reason and origin.
+  rd_kafka_headers_t* hdrs = rd_kafka_headers_new(m.headers.size() + 4);
+  auto add = [hdrs](std::string_view name, std::string_view value) {
+    rd_kafka_header_add(hdrs, name.data(), static_cast<ssize_t>(name.size()), value.data(),
+                        static_cast<ssize_t>(value.size()));
+  };
+  for (const Header& h : m.headers) add(h.name, h.value);
+  add("idem-reason", reason);
+  add("idem-topic", m.topic);
+  add("idem-partition", partition);
+  add("idem-offset", offset);
   auto ticket = std::make_shared<Ticket>();
   auto* opaque = new std::shared_ptr<Ticket>(ticket);
   rd_kafka_resp_err_t e =
       rd_kafka_producev(rk_, RD_KAFKA_V_TOPIC(topic.c_str()), RD_KAFKA_V_KEY(m.key.data(), m.key.size()),
-                        RD_KAFKA_V_VALUE(const_cast<char*>(m.value.data()), m.value.size()),
-                        RD_KAFKA_V_HEADER("idem-reason", reason.data(), static_cast<ssize_t>(reason.size())),
-                        RD_KAFKA_V_HEADER("idem-topic", m.topic.data(), static_cast<ssize_t>(m.topic.size())),
-                        RD_KAFKA_V_HEADER("idem-partition", partition.data(), static_cast<ssize_t>(partition.size())),
-                        RD_KAFKA_V_HEADER("idem-offset", offset.data(), static_cast<ssize_t>(offset.size())),
+                        RD_KAFKA_V_VALUE(const_cast<char*>(m.value.data()), m.value.size()), RD_KAFKA_V_HEADERS(hdrs),
                         RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_OPAQUE(opaque), RD_KAFKA_V_END);
   if (e != RD_KAFKA_RESP_ERR_NO_ERROR) {
-    delete opaque;  // not queued: no report will come
+    rd_kafka_headers_destroy(hdrs);  // not queued: the headers stay ours, and no report will come
+    delete opaque;
     throw kafka_error(fmt::format("dead letter to {}: {}", topic, rd_kafka_err2str(e)), e);
   }
   // The guard records the write only once this returns: wait until the broker acked it.

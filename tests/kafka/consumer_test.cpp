@@ -16,8 +16,11 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "idem/idem.hpp"
 #include "idem/kafka/processor.hpp"
@@ -321,4 +324,95 @@ TEST_CASE("Consumer refuses options that would commit unsettled offsets", "[kafk
   o.properties = {};
   o.topics = {};
   CHECK_THROWS_AS(idem::kafka::Consumer(o, nothing), idem::invalid_options_error);
+}
+
+// Headers and timestamp reach the handler; the default key is the outbox relay's idem-outbox-id
+// header, so the same id re-published under another Kafka key and partition runs once; a message
+// without it is dead-lettered, its letter carrying its headers and then idem's reason and origin.
+TEST_CASE(
+    "headers and timestamp reach the handler, keyed on idem-outbox-id by default, a dead letter keeps the headers",
+    "[kafka][consumer]") {
+  MockCluster cluster;
+  const std::string topic = "orders";
+  cluster.create_topic(topic, 2);
+  cluster.create_topic(topic + ".dlq", 1);
+  const std::string binary("a\0b", 3);
+  const std::int64_t t0 = 1'700'000'000'123, t1 = 1'700'000'001'456;
+  cluster.produce(topic, 0, "k1", "order-1",
+                  {{"idem-outbox-id", "X"}, {"trace", "t1"}, {"bin", binary}, {"trace", "t1-last"}}, t0);
+  cluster.produce(topic, 1, "k2", "order-1", {{"trace", "t2"}, {"idem-outbox-id", "X"}}, t1);
+  cluster.produce(topic, 0, "k3", "no-id", {{"trace", "t3"}, {"x-dup", "1"}, {"x-dup", "2"}});
+  cluster.flush();
+
+  struct Seen {
+    std::int32_t partition = 0;
+    std::vector<std::pair<std::string, std::string>> headers;
+    std::optional<std::string> trace, bin;
+    std::optional<idem::kafka::Timestamp> timestamp;
+  };
+  std::mutex mu;
+  std::vector<Seen> seen;
+  idem::MemoryStore store;
+  Guard guard(store, guard_options());
+  auto processor = idem::kafka::guarded(guard, [&](const idem::kafka::Message& m) {
+    auto copy = [](std::optional<std::string_view> v) { return v ? std::optional<std::string>(*v) : std::nullopt; };
+    Seen s{m.partition, {}, copy(m.header("trace")), copy(m.header("bin")), m.timestamp};
+    for (const auto& h : m.headers) s.headers.emplace_back(h.name, h.value);
+    std::lock_guard lock(mu);
+    seen.push_back(std::move(s));
+  });
+  idem::kafka::ConsumerOptions o;
+  o.brokers = cluster.bootstraps();
+  o.group = "headers";
+  o.topics = {topic};
+  o.poll_timeout = 50ms;
+  o.commit_interval = 100ms;
+  o.properties = {{"session.timeout.ms", "3000"}, {"heartbeat.interval.ms", "250"}};
+  Member a;
+  a.start(o, processor);
+  const bool done = eventually(
+      [&] {
+        const auto st = a.consumer->stats();
+        return a.failed.load() || (st.executed + st.duplicates == 2 && st.dead_lettered == 1 &&
+                                   cluster.committed("headers", topic, 2) == cluster.end_offsets(topic, 2));
+      },
+      15s);
+  a.stop();
+  const auto st = a.consumer->stats();
+  INFO(a.report());
+  CHECK_FALSE(a.failed.load());
+  CHECK(done);
+  CHECK(st.executed == 1);
+  CHECK(st.duplicates == 1);  // the same idem-outbox-id on the other partition, under another Kafka key
+  CHECK(st.dead_lettered == 1);
+
+  std::lock_guard lock(mu);
+  REQUIRE(seen.size() == 1);
+  const Seen& s = seen[0];
+  if (s.partition == 0) {
+    CHECK(s.headers == std::vector<std::pair<std::string, std::string>>{
+                           {"idem-outbox-id", "X"}, {"trace", "t1"}, {"bin", binary}, {"trace", "t1-last"}});
+    CHECK(s.trace == "t1-last");  // the last of its name
+    CHECK(s.bin == binary);       // binary-safe
+  } else {
+    CHECK(s.headers == std::vector<std::pair<std::string, std::string>>{{"trace", "t2"}, {"idem-outbox-id", "X"}});
+  }
+  REQUIRE(s.timestamp);
+  CHECK(s.timestamp->type == idem::kafka::TimestampType::create_time);
+  CHECK(std::chrono::duration_cast<std::chrono::milliseconds>(s.timestamp->time.time_since_epoch()).count() ==
+        (s.partition == 0 ? t0 : t1));
+
+  const auto letters = cluster.read(topic + ".dlq", 0, 1);
+  REQUIRE(letters.size() == 1);
+  const auto& l = letters[0];
+  CHECK(l.key == "k3");
+  CHECK(l.value == "no-id");
+  REQUIRE(l.headers.size() == 7);
+  CHECK(std::vector(l.headers.begin(), l.headers.begin() + 3) ==
+        std::vector<std::pair<std::string, std::string>>{{"trace", "t3"}, {"x-dup", "1"}, {"x-dup", "2"}});
+  CHECK(l.headers[3].first == "idem-reason");
+  CHECK(l.headers[3].second.find("key is empty") != std::string::npos);  // no idem-outbox-id: no usable key
+  CHECK(l.header("idem-topic") == topic);
+  CHECK(l.header("idem-partition") == "0");
+  CHECK(l.header("idem-offset") == "1");
 }

@@ -19,9 +19,24 @@
 #include <unordered_map>
 #include <vector>
 
-#include "idem/kafka/rdkafka.hpp"
+#include "rdkafka.hpp"  // src/kafka: idem::kafka's internal pieces
 
 namespace idem_test {
+
+/// One record read back from a topic.
+struct Record {
+  std::int32_t partition = 0;
+  std::int64_t offset = 0;
+  std::string key, value;
+  std::vector<std::pair<std::string, std::string>> headers;  // in order
+  std::int64_t timestamp = -1;                               // ms since the epoch; -1: none
+  // The last value of header `name`, or nullopt.
+  std::optional<std::string> header(const std::string& name) const {
+    for (auto it = headers.rbegin(); it != headers.rend(); ++it)
+      if (it->first == name) return it->second;
+    return std::nullopt;
+  }
+};
 
 /// A payment event; `id` is its idempotency key.
 struct Payment {
@@ -119,6 +134,60 @@ class MockCluster {
       rd_kafka_poll(rk_, 10);
     if (e) throw std::runtime_error(std::string("produce: ") + rd_kafka_err2str(e));
   }
+  /// One message with headers and, unless -1, its create time (ms since the epoch).
+  void produce(const std::string& topic, std::int32_t partition, const std::string& key, const std::string& value,
+               const std::vector<std::pair<std::string, std::string>>& headers, std::int64_t timestamp_ms = -1) {
+    rd_kafka_resp_err_t e;
+    for (;;) {
+      rd_kafka_headers_t* h = rd_kafka_headers_new(headers.size());
+      for (const auto& [n, v] : headers)
+        rd_kafka_header_add(h, n.data(), static_cast<ssize_t>(n.size()), v.data(), static_cast<ssize_t>(v.size()));
+      e = rd_kafka_producev(rk_, RD_KAFKA_V_TOPIC(topic.c_str()), RD_KAFKA_V_PARTITION(partition),
+                            RD_KAFKA_V_KEY(key.data(), key.size()),
+                            RD_KAFKA_V_VALUE(const_cast<char*>(value.data()), value.size()), RD_KAFKA_V_HEADERS(h),
+                            RD_KAFKA_V_TIMESTAMP(timestamp_ms < 0 ? 0 : timestamp_ms),
+                            RD_KAFKA_V_MSGFLAGS(RD_KAFKA_MSG_F_COPY), RD_KAFKA_V_END);
+      if (e == RD_KAFKA_RESP_ERR_NO_ERROR) break;
+      rd_kafka_headers_destroy(h);  // not queued: still ours
+      if (e != RD_KAFKA_RESP_ERR__QUEUE_FULL) throw std::runtime_error(std::string("produce: ") + rd_kafka_err2str(e));
+      rd_kafka_poll(rk_, 10);
+    }
+  }
+
+  /// Reads one partition from the beginning until `count` records arrived or `limit` passed.
+  std::vector<Record> read(const std::string& topic, std::int32_t partition, std::size_t count,
+                           std::chrono::milliseconds limit = std::chrono::seconds(10)) const {
+    rd_kafka_conf_t* conf = rd_kafka_conf_new();
+    idem::kafka::set_property(conf, "bootstrap.servers", bootstraps_);
+    idem::kafka::set_property(conf, "group.id", "idem-test-reader");  // assign() only: never joins
+    idem::kafka::set_property(conf, "enable.auto.commit", "false");
+    char err[512];
+    rd_kafka_t* rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof err);
+    if (!rk) throw std::runtime_error(std::string("reader: ") + err);
+    rd_kafka_poll_set_consumer(rk);
+    auto parts = idem::kafka::to_list({{topic, partition, RD_KAFKA_OFFSET_BEGINNING}});
+    rd_kafka_assign(rk, parts.get());
+    std::vector<Record> out;
+    const auto until = std::chrono::steady_clock::now() + limit;
+    while (out.size() < count && std::chrono::steady_clock::now() < until) {
+      rd_kafka_message_t* m = rd_kafka_consumer_poll(rk, 50);
+      if (!m) continue;
+      if (!m->err) {
+        Record r{m->partition, m->offset, {}, {}, {}, rd_kafka_message_timestamp(m, nullptr)};
+        if (m->key) r.key.assign(static_cast<const char*>(m->key), m->key_len);
+        if (m->payload) r.value.assign(static_cast<const char*>(m->payload), m->len);
+        std::vector<idem::kafka::Header> hs;
+        idem::kafka::append_headers(m, hs);
+        for (const auto& h : hs) r.headers.emplace_back(h.name, h.value);
+        out.push_back(std::move(r));
+      }
+      rd_kafka_message_destroy(m);
+    }
+    rd_kafka_consumer_close(rk);
+    rd_kafka_destroy(rk);
+    return out;
+  }
+
   void flush() {
     if (rd_kafka_flush(rk_, 15'000) != RD_KAFKA_RESP_ERR_NO_ERROR || delivery_errors_.load() != 0)
       throw std::runtime_error("mock produce did not complete");

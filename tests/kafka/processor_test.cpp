@@ -132,3 +132,57 @@ TEST_CASE("GuardedProcessor: a store error requeues after a jittered wait from G
   CHECK_THROWS_AS(idem::kafka::guarded(guard, key_of, [](const Message&) {}, {.retry = {.base = 2s, .cap = 1s}}),
                   idem::invalid_options_error);
 }
+
+TEST_CASE("Message::header: the last value of a name, binary-safe", "[kafka][processor]") {
+  const std::string binary("x\0y", 3);
+  const std::vector<idem::kafka::Header> headers{{"a", "1"}, {"b", binary}, {"a", "2"}, {"empty", ""}};
+  Message m = msg(0, "v");
+  CHECK_FALSE(m.header("a"));  // no headers
+  m.headers = headers;
+  CHECK(m.header("a") == "2");
+  CHECK(m.header("b") == binary);
+  CHECK(m.header("b")->size() == 3);
+  CHECK(m.header("empty") == "");
+  CHECK_FALSE(m.header("A"));  // names are exact
+  CHECK_FALSE(m.timestamp);
+}
+
+TEST_CASE("GuardedProcessor: keyed on idem-outbox-id by default, a key function of the user's wins",
+          "[kafka][processor]") {
+  idem::MemoryStore store;
+  idem::IdempotencyGuard<idem::MemoryStore> guard(store, idem::kafka::consumer_guard_options());
+  std::vector<std::string> ran;
+  auto record = [&](const Message& m) { ran.emplace_back(m.key); };
+  const std::vector<idem::kafka::Header> x{{"trace", "1"}, {"idem-outbox-id", "X"}};
+  const std::vector<idem::kafka::Header> x_again{{"idem-outbox-id", "old"}, {"idem-outbox-id", "X"}};
+  const std::vector<idem::kafka::Header> none{{"trace", "3"}};
+  // Another Kafka key, partition and offset, the same outbox id (the relay published it twice).
+  Message a{"t", 0, 10, "k1", "order-1", x}, b{"t", 1, 20, "k2", "order-1", x_again}, c{"t", 0, 11, "k3", "v", none};
+
+  auto dflt = idem::kafka::guarded(guard, record);
+  auto v = run(dflt, {a, b, c});
+  CHECK(v[0].status == Status::executed);
+  CHECK(v[1].status == Status::duplicate);
+  CHECK(v[2].action == BrokerAction::dead_letter);  // no idem-outbox-id: no key, never a guessed one
+  CHECK(v[2].dead_letter_key == "t/0@11");
+  CHECK(ran == std::vector<std::string>{"k1"});
+  CHECK(store.inspect("X"));  // the key is the header's value
+
+  // A key function of the user's is the whole key: the header is not read.
+  auto own = idem::kafka::guarded(
+      guard, [](const Message& m) { return "own:" + std::string(m.key); }, record);
+  v = run(own, {a, b});
+  CHECK(v[0].status == Status::executed);
+  CHECK(v[1].status == Status::executed);
+  CHECK(ran == std::vector<std::string>{"k1", "k1", "k2"});
+
+  // outbox_id_or: the header when there is one, else the fallback.
+  auto either = idem::kafka::guarded(
+      guard, idem::kafka::outbox_id_or([](const Message& m) { return "id:" + std::string(m.value); }), record,
+      {.fingerprint = false});
+  v = run(either, {b, c});
+  CHECK(v[0].status == Status::duplicate);
+  CHECK(v[1].status == Status::executed);
+  CHECK(store.inspect("id:v"));
+  CHECK(ran == std::vector<std::string>{"k1", "k1", "k2", "k3"});
+}

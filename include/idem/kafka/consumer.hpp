@@ -1,6 +1,7 @@
 #pragma once
 /// @file kafka/consumer.hpp Consumer: a Kafka consumer loop with exactly-once effects through a Processor.
-// Guide and failure modes: docs/consuming.md. Compiled in src/kafka/consumer.cpp.
+// Guide and failure modes: docs/consuming.md. Compiled in src/kafka/consumer.cpp; no librdkafka
+// type here (the loop's librdkafka pieces are internal: src/kafka/rdkafka.hpp).
 
 #include <cstddef>
 #include <cstdint>
@@ -11,11 +12,24 @@
 #include <string_view>
 #include <vector>
 
+#include "idem/core/error.hpp"
 #include "idem/core/options.hpp"
 #include "idem/kafka/offset_tracker.hpp"
 #include "idem/kafka/processor.hpp"
 
 namespace idem::kafka {
+
+/// librdkafka refused a call or a write; code() is its rd_kafka_resp_err_t, as an int.
+class kafka_error : public error {
+ public:
+  /// Builds it from librdkafka's code; retryable unless the code says the request can never succeed.
+  kafka_error(const std::string& what, int code, bool retryable = true) : error(what, retryable), code_(code) {}
+  /// librdkafka's error code (an rd_kafka_resp_err_t value: compare it with RD_KAFKA_RESP_ERR_*).
+  [[nodiscard]] int code() const noexcept { return code_; }
+
+ private:
+  int code_;
+};
 
 /// What a Consumer connects to and how it paces itself.
 struct ConsumerOptions {

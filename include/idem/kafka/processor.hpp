@@ -13,6 +13,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "idem/core/error.hpp"
@@ -25,14 +26,64 @@
 
 namespace idem::kafka {
 
+/// One Kafka header: a name and a binary-safe value, views like the rest of a Message.
+struct Header {
+  std::string_view name;   ///< The header's name.
+  std::string_view value;  ///< Its value, bytes as produced (a null value reads as empty).
+};
+
+/// Whose clock a message's timestamp is.
+enum class TimestampType {
+  create_time,      ///< The producer's (the topic's message.timestamp.type=CreateTime, Kafka's default).
+  log_append_time,  ///< The broker's, when it appended the message (LogAppendTime).
+};
+
+/// A message's timestamp: milliseconds since the epoch, as Kafka keeps it, and its type.
+struct Timestamp {
+  std::chrono::system_clock::time_point time;       ///< When, to the millisecond.
+  TimestampType type = TimestampType::create_time;  ///< Whose clock.
+};
+
+/// The header in which the outbox relay's KafkaPublisher sends the message id (docs/outbox.md).
+inline constexpr std::string_view outbox_id_header = "idem-outbox-id";
+
 /// One polled message as a handler sees it: views into the client's message, valid during the call.
 struct Message {
-  std::string_view topic;      ///< The topic's name.
-  std::int32_t partition = 0;  ///< The partition number.
-  std::int64_t offset = 0;     ///< The message's offset.
-  std::string_view key;        ///< The Kafka message key (not the idempotency key).
-  std::string_view value;      ///< The payload.
+  std::string_view topic;              ///< The topic's name.
+  std::int32_t partition = 0;          ///< The partition number.
+  std::int64_t offset = 0;             ///< The message's offset.
+  std::string_view key;                ///< The Kafka message key (not the idempotency key).
+  std::string_view value;              ///< The payload.
+  std::span<const Header> headers;     ///< Its headers in the order produced; a name may repeat.
+  std::optional<Timestamp> timestamp;  ///< Its timestamp; nullopt when the broker gave none.
+
+  /// The value of the last header named `name` (Kafka's "last header wins"); nullopt when there is none.
+  [[nodiscard]] std::optional<std::string_view> header(std::string_view name) const noexcept {
+    for (auto it = headers.rbegin(); it != headers.rend(); ++it)
+      if (it->name == name) return it->value;
+    return std::nullopt;
+  }
 };
+
+/// The default idempotency key of guarded(guard, handler): the header `idem-outbox-id`, else none.
+// A message without the header gets the empty key: the guard refuses it (invalid_key_error) and it
+// is dead-lettered, never run under a guessed key (its coordinates change when it is re-published).
+struct OutboxIdKey {
+  /// The last `idem-outbox-id` header's value; "" when the message has none.
+  std::string operator()(const Message& m) const {
+    const auto id = m.header(outbox_id_header);
+    return id ? std::string(*id) : std::string();
+  }
+};
+
+/// A key function: the header `idem-outbox-id` when the message carries one, else `fallback(m)`.
+template <class Fallback>
+auto outbox_id_or(Fallback fallback) {
+  return [fallback = std::move(fallback)](const Message& m) -> std::string {
+    if (const auto id = m.header(outbox_id_header)) return std::string(*id);
+    return std::string(fallback(m));
+  };
+}
 
 /// What the consumer loop does with one message.
 struct Verdict {
@@ -86,6 +137,8 @@ struct GuardedOptions {
 };
 
 /// A Processor over a guard: key_of(message) is the idempotency key, handler(message[, ctx]) the effect.
+// guarded(guard, handler) keys on the outbox id (OutboxIdKey); guarded(guard, key_of, handler) on
+// key_of alone; outbox_id_or(key_of) on the outbox id when there is one, else on key_of.
 template <class Store, class KeyOf, class Handler>
 class GuardedProcessor final : public Processor {
  public:
@@ -203,11 +256,20 @@ class GuardedProcessor final : public Processor {
   RetryPolicy retry_;
 };
 
-/// Builds a GuardedProcessor, deducing its types.
+/// Builds a GuardedProcessor, deducing its types; `key_of` is the whole key (no header is read for it).
 template <class Store, class KeyOf, class Handler>
+  requires(!std::is_same_v<std::remove_cvref_t<Handler>, GuardedOptions>)
 GuardedProcessor<Store, KeyOf, Handler> guarded(IdempotencyGuard<Store>& guard, KeyOf key_of, Handler handler,
                                                 GuardedOptions options = {}) {
   return {guard, std::move(key_of), std::move(handler), options};
+}
+
+/// Builds a GuardedProcessor keyed by OutboxIdKey: the header `idem-outbox-id` that the outbox
+/// relay's KafkaPublisher writes; a message without it is dead-lettered (no usable key).
+template <class Store, class Handler>
+GuardedProcessor<Store, OutboxIdKey, Handler> guarded(IdempotencyGuard<Store>& guard, Handler handler,
+                                                      GuardedOptions options = {}) {
+  return {guard, OutboxIdKey{}, std::move(handler), options};
 }
 
 }  // namespace idem::kafka

@@ -1,35 +1,27 @@
 #pragma once
-/// @file kafka/rdkafka.hpp The consumer loop's pieces over librdkafka: rebalance, offsets, retries, dead letters.
+// The consumer loop's pieces over librdkafka: rebalance, offsets, retries, dead letters, a polled
+// message's headers and timestamp. Internal to idem::kafka (not installed: no public header names
+// a librdkafka type); src/kafka/consumer.cpp and the tests (tests/kafka/mock_cluster.hpp) use it.
 // Guide: docs/consuming.md. Compiled in src/kafka/rdkafka.cpp.
 
 #include <librdkafka/rdkafka.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "idem/core/error.hpp"
+#include "idem/kafka/consumer.hpp"
 #include "idem/kafka/offset_tracker.hpp"
 #include "idem/kafka/processor.hpp"
 
 namespace idem::kafka {
-
-/// librdkafka refused a call or a write; code() is its rd_kafka_resp_err_t.
-class kafka_error : public error {
- public:
-  /// Builds it from librdkafka's code; retryable unless the code says the request can never succeed.
-  kafka_error(const std::string& what, rd_kafka_resp_err_t code, bool retryable = true)
-      : error(what, retryable), code_(code) {}
-  /// librdkafka's error code.
-  [[nodiscard]] rd_kafka_resp_err_t code() const noexcept { return code_; }
-
- private:
-  rd_kafka_resp_err_t code_;
-};
 
 /// A topic and a partition.
 struct TopicPartition {
@@ -72,6 +64,13 @@ void pause(rd_kafka_t* rk, const TopicPartition& tp, bool paused);
 /// Seeks a paused partition back to `offset`, so that resuming it redelivers from there; throws kafka_error.
 void seek(rd_kafka_t* rk, const TopicPartition& tp, std::int64_t offset, int timeout_ms);
 
+/// Appends the message's headers to `out`, in order, as views into it (valid until it is destroyed);
+/// returns how many. A null value reads as empty; headers librdkafka cannot parse read as none.
+std::size_t append_headers(rd_kafka_message_t* m, std::vector<Header>& out);
+
+/// The message's timestamp and its type; nullopt when the broker gave none.
+std::optional<Timestamp> timestamp_of(const rd_kafka_message_t* m);
+
 /// A producer that writes dead letters and waits for the broker's ack; thread-safe.
 class DeadLetterProducer {
  public:
@@ -80,7 +79,8 @@ class DeadLetterProducer {
   ~DeadLetterProducer();
   DeadLetterProducer(const DeadLetterProducer&) = delete;             ///< Owns a client handle.
   DeadLetterProducer& operator=(const DeadLetterProducer&) = delete;  ///< Owns a client handle.
-  /// Writes `m` (key, value, its origin as headers) to `topic`; returns once acked, else throws kafka_error.
+  /// Writes `m` to `topic`: its key, value and headers, then `idem-reason` and its origin
+  /// (`idem-topic`, `idem-partition`, `idem-offset`) as headers; returns once acked, else throws kafka_error.
   void write(const std::string& topic, const Message& m, std::string_view reason);
 
  private:
