@@ -1,141 +1,612 @@
-// idem-outbox-relay: the outbox relay as a program of its own. Drains the outbox of one
-// PostgresStore table into Redis Streams until SIGINT / SIGTERM (or once, with --once).
+// idem-outbox-relay: the outbox relay as a program of its own (docs/relay.md). Drains the outbox of
+// one PostgresStore table into Redis Streams, Kafka, RabbitMQ or NATS JetStream until SIGINT /
+// SIGTERM (or once, with --once). Settings come from flags, IDEM_RELAY_* environment variables and
+// a config file, in that order of precedence; /metrics is served with --metrics-listen.
 
+#include <fmt/format.h>
 #include <pthread.h>
 #include <signal.h>
+#include <unistd.h>
 
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <memory>
 #include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
-#include <fmt/format.h>
-
+#include "idem/core/error.hpp"
 #include "idem/core/version.hpp"
 #include "idem/outbox/redis_streams_publisher.hpp"
 #include "idem/outbox/relay.hpp"
+#ifdef IDEM_RELAY_WITH_KAFKA
+#include "idem/outbox/kafka_publisher.hpp"
+#endif
+#ifdef IDEM_RELAY_WITH_RABBITMQ
+#include "idem/outbox/rabbitmq_publisher.hpp"
+#endif
+#ifdef IDEM_RELAY_WITH_NATS
+#include "idem/outbox/nats_publisher.hpp"
+#endif
+#ifdef IDEM_RELAY_WITH_METRICS
+#include "relay_metrics.hpp"
+#endif
 
 namespace {
 
-const char* const help =
-    "idem-outbox-relay: publishes the committed rows of an idem outbox (PostgreSQL) to Redis Streams.\n"
-    "\n"
-    "usage: idem-outbox-relay --conninfo STR | --conninfo-file PATH --redis URL [options]\n"
-    "\n"
-    "  --conninfo STR        libpq conninfo or URI of the database holding the outbox\n"
-    "  --conninfo-file PATH  read the conninfo from the first line of PATH\n"
-    "  --schema NAME         the store's schema (default idem)\n"
-    "  --table NAME          the store's table; the outbox is <table>_outbox (default idem_records)\n"
-    "  --redis URL           redis://[user[:password]@]host[:port][/db] or unix:///path\n"
-    "  --stream-prefix P     prepended to each message's destination to name its stream (default none)\n"
-    "  --maxlen N            trim each stream to about N entries (default 0 = never)\n"
-    "  --batch N             rows per batch (default 256)\n"
-    "  --poll-ms N           poll interval when no NOTIFY arrives (default 1000)\n"
-    "  --retention-ms N      keep sent rows N ms before purging them (default 86400000; 0 = delete at once)\n"
-    "  --transaction-pooler  the conninfo reaches a transaction-mode pooler (PgBouncer): no session\n"
-    "                        settings, unnamed statements, and polling instead of LISTEN\n"
-    "  --once                publish what is due, once, and exit (status 0 when that succeeded)\n"
-    "  --help                this text\n"
-    "  --version             print \"idem-outbox-relay X.Y.Z\" (the idem version) and exit\n"
-    "\n"
-    "Any number of relays may run against one outbox: rows are claimed with FOR UPDATE SKIP LOCKED,\n"
-    "per-message_key order is kept, and a relay killed mid-batch leaves its rows to be published\n"
-    "again with the same ids (consumers deduplicate on the entry's `id` field). docs/outbox.md.\n";
+constexpr const char* program = "idem-outbox-relay";
+constexpr const char* env_prefix = "IDEM_RELAY_";
+constexpr int exit_failure = 1;  // a run that failed (database, broker, cannot listen)
+constexpr int exit_usage = 2;    // a bad or missing setting: restarting will not help
+
+// Every setting, with its default. Names follow the flags (docs/relay.md has the table).
+struct Settings {
+  std::string publisher = "redis";
+  std::string conninfo;
+  std::string conninfo_file;
+  std::string schema = "idem";
+  std::string table = "idem_records";
+  std::size_t batch = 256;
+  long poll_ms = 1000;
+  long retention_ms = 86'400'000;
+  long backoff_max_ms = 30'000;
+  long claim_idle_timeout_ms = 60'000;
+  bool transaction_pooler = false;
+  bool once = false;
+  bool check_config = false;
+  std::string metrics_listen;
+  // redis
+  std::string redis;
+  std::string stream_prefix;
+  std::size_t maxlen = 0;
+  // kafka
+  std::string kafka_brokers;
+  std::vector<std::string> kafka_properties;
+  long kafka_timeout_ms = 30'000;
+  std::string kafka_client_id = "idem-outbox";
+  // rabbitmq
+  std::string rabbitmq_url;
+  std::string rabbitmq_user;
+  std::string rabbitmq_password;
+  std::string rabbitmq_ca_file;
+  std::string rabbitmq_cert_file;
+  std::string rabbitmq_key_file;
+  bool rabbitmq_verify_peer = true;
+  bool rabbitmq_verify_hostname = true;
+  long rabbitmq_timeout_ms = 30'000;
+  std::string rabbitmq_key_header = "idem-message-key";
+  // nats
+  std::string nats_url;
+  std::string nats_subject_prefix;
+  std::string nats_expect_stream;
+  long nats_timeout_ms = 5000;
+};
 
 [[noreturn]] void usage(const std::string& why) {
-  std::fprintf(stderr, "idem-outbox-relay: %s\n(see idem-outbox-relay --help)\n", why.c_str());
-  std::exit(2);
+  std::string line = why;
+  std::replace(line.begin(), line.end(), '\n', ' ');
+  std::fprintf(stderr, "%s: %s (see %s --help)\n", program, line.c_str(), program);
+  std::exit(exit_usage);
 }
 
-long number(const std::string& k, const std::string& v, long lo, long hi) {
-  char* end = nullptr;
-  const long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < lo || n > hi) usage(fmt::format("{} must be a number in {}..{}", k, lo, hi));
-  return n;
+// "--kafka-brokers" -> "IDEM_RELAY_KAFKA_BROKERS".
+std::string env_name(std::string flag) {
+  flag.erase(0, flag.find_first_not_of('-'));
+  std::string out = env_prefix;
+  for (const char c : flag) out += c == '-' ? '_' : static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return out;
 }
+
+// The config file: CLI11's TOML / INI reader, then two rules of our own. Keys are flag names
+// ("kafka-brokers"; "kafka_brokers" and "brokers" under a "[kafka]" section say the same). A key
+// whose IDEM_RELAY_* variable is set is dropped, so the environment wins over the file (CLI11 would
+// read the file first and ignore the variable); flags win over both, as CLI11 does.
+class RelayConfigFile final : public CLI::ConfigTOML {
+ public:
+  explicit RelayConfigFile(const CLI::App& app) : app_(&app) {}
+  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
+    std::vector<CLI::ConfigItem> out;
+    for (CLI::ConfigItem& item : CLI::ConfigTOML::from_config(input)) {
+      if (item.name == "++" || item.name == "--") continue;  // section markers: sections are name prefixes here
+      std::string name;
+      for (const auto& p : item.parents) name += p + "-";
+      name += item.name;
+      std::replace(name.begin(), name.end(), '_', '-');
+      item.parents.clear();
+      item.name = name;
+      if (const CLI::Option* o = app_->get_option_no_throw("--" + name); o && !o->get_envname().empty()) {
+        const char* v = std::getenv(o->get_envname().c_str());
+        if (v && *v) continue;
+      }
+      out.push_back(std::move(item));
+    }
+    return out;
+  }
+
+ private:
+  const CLI::App* app_;
+};
+
+// "scheme://user:password@host/..." -> "scheme://host/..." for each URL of a comma-separated list.
+std::string without_credentials(const std::string& urls) {
+  std::string out;
+  std::size_t from = 0;
+  while (from <= urls.size()) {
+    const std::size_t comma = std::min(urls.find(',', from), urls.size());
+    std::string u = urls.substr(from, comma - from);
+    if (const auto scheme = u.find("://"); scheme != std::string::npos) {
+      const auto host = scheme + 3;
+      const auto path = u.find('/', host);
+      const auto at = u.rfind('@', path == std::string::npos ? std::string::npos : path);
+      if (at != std::string::npos && at >= host) u.erase(host, at + 1 - host);
+    }
+    out += (out.empty() ? "" : ",") + u;
+    if (comma == urls.size()) break;
+    from = comma + 1;
+  }
+  return out;
+}
+
+bool secret_property(const std::string& key) {
+  return key.find("password") != std::string::npos || key.find("secret") != std::string::npos ||
+         key.find("sasl.oauthbearer.config") != std::string::npos;
+}
+
+std::string quoted(const std::string& s) {
+  std::string q = "\"";
+  for (const char c : s) q += (c == '"' || c == '\\') ? std::string("\\") + c : std::string(1, c);
+  return q + "\"";
+}
+
+// The publisher the settings ask for, and where it publishes (for the start line: no password).
+struct Built {
+  std::unique_ptr<idem::OutboxPublisher> publisher;
+  std::string destination;
+};
+
+[[noreturn, maybe_unused]] void not_built(const char* name, const char* library, const char* package) {
+  usage(
+      fmt::format("--publisher {}: this {} was built without the {} publisher (build idem with {} installed: "
+                  "apt-get install {})",
+                  name, program, library, package, package));
+}
+
+Built build_publisher(const Settings& s) {
+  if (s.publisher == "redis") {
+    if (s.redis.empty()) usage("--publisher redis needs --redis URL (or IDEM_RELAY_REDIS)");
+    idem::RedisStreamsPublisherOptions po;
+    po.redis.url = s.redis;
+    po.stream_prefix = s.stream_prefix;
+    po.maxlen = s.maxlen;
+    return {std::make_unique<idem::RedisStreamsPublisher>(po), "Redis " + without_credentials(s.redis)};
+  }
+  if (s.publisher == "kafka") {
+#ifdef IDEM_RELAY_WITH_KAFKA
+    if (s.kafka_brokers.empty())
+      usage("--publisher kafka needs --kafka-brokers HOST:PORT[,...] (or IDEM_RELAY_KAFKA_BROKERS)");
+    idem::KafkaPublisherOptions po;
+    po.brokers = s.kafka_brokers;
+    for (const auto& p : s.kafka_properties) {
+      const auto eq = p.find('=');
+      po.config.emplace_back(p.substr(0, eq), p.substr(eq + 1));  // the validator made sure there is one
+    }
+    po.timeout = idem::millis{s.kafka_timeout_ms};
+    po.client_id = s.kafka_client_id;
+    return {std::make_unique<idem::KafkaPublisher>(std::move(po)), "Kafka " + s.kafka_brokers};
+#else
+    not_built("kafka", "Kafka", "librdkafka-dev");
+#endif
+  }
+  if (s.publisher == "rabbitmq") {
+#ifdef IDEM_RELAY_WITH_RABBITMQ
+    if (s.rabbitmq_url.empty())
+      usage("--publisher rabbitmq needs --rabbitmq-url amqp[s]://... (or IDEM_RELAY_RABBITMQ_URL)");
+    idem::RabbitMqPublisherOptions po;
+    // The fields first: the URL replaces those it has (user, password, vhost, host, port).
+    if (!s.rabbitmq_user.empty()) po.user = s.rabbitmq_user;
+    if (!s.rabbitmq_password.empty()) po.password = s.rabbitmq_password;
+    po.url = s.rabbitmq_url;
+    po.ca_file = s.rabbitmq_ca_file;
+    po.cert_file = s.rabbitmq_cert_file;
+    po.key_file = s.rabbitmq_key_file;
+    po.verify_peer = s.rabbitmq_verify_peer;
+    po.verify_hostname = s.rabbitmq_verify_hostname;
+    po.timeout = idem::millis{s.rabbitmq_timeout_ms};
+    po.key_header = s.rabbitmq_key_header;
+    return {std::make_unique<idem::RabbitMqPublisher>(std::move(po)),
+            "RabbitMQ " + without_credentials(s.rabbitmq_url)};
+#else
+    not_built("rabbitmq", "RabbitMQ", "librabbitmq-dev");
+#endif
+  }
+  // nats (the validator admits nothing else)
+#ifdef IDEM_RELAY_WITH_NATS
+  if (s.nats_url.empty()) usage("--publisher nats needs --nats-url nats://HOST:PORT[,...] (or IDEM_RELAY_NATS_URL)");
+  idem::NatsPublisherOptions po;
+  po.url = s.nats_url;
+  po.subject_prefix = s.nats_subject_prefix;
+  po.expect_stream = s.nats_expect_stream;
+  po.timeout = idem::millis{s.nats_timeout_ms};
+  return {std::make_unique<idem::NatsPublisher>(std::move(po)), "NATS " + without_credentials(s.nats_url)};
+#else
+  not_built("nats", "NATS", "libnats-dev");
+#endif
+}
+
+// "--batch: Value 0 not in range ..." about a value that came from IDEM_RELAY_BATCH or the config
+// file, not the command line: says which, so the operator knows where to look.
+std::string with_source(std::string message, const CLI::App& app, int argc, char** argv) {
+  const auto colon = message.find(':');
+  if (message.rfind("--", 0) != 0 || colon == std::string::npos) return message;
+  const std::string flag = message.substr(0, colon);
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == flag || a.rfind(flag + "=", 0) == 0) return message;
+  }
+  const CLI::Option* o = app.get_option_no_throw(flag);
+  if (!o) return message;
+  const char* v = o->get_envname().empty() ? nullptr : std::getenv(o->get_envname().c_str());
+  return message + (v && *v ? " (from " + o->get_envname() + ")" : std::string(" (from the config file)"));
+}
+
+// --check-config: the settings in force, as a config file would say them (secrets hidden).
+void print_settings(const Settings& s, const CLI::App& app) {
+  const auto line = [](const char* k, const std::string& v) { fmt::print("{} = {}\n", k, v); };
+  const auto hidden = [](const std::string& v) {
+    return v.empty() ? std::string("\"\"") : std::string("\"<hidden>\"");
+  };
+  line("publisher", quoted(s.publisher));
+  line("conninfo", hidden(s.conninfo));
+  line("conninfo-file", quoted(s.conninfo_file));
+  line("schema", quoted(s.schema));
+  line("table", quoted(s.table));
+  line("batch", std::to_string(s.batch));
+  line("poll-ms", std::to_string(s.poll_ms));
+  line("retention-ms", std::to_string(s.retention_ms));
+  line("backoff-max-ms", std::to_string(s.backoff_max_ms));
+  line("claim-idle-timeout-ms", std::to_string(s.claim_idle_timeout_ms));
+  line("transaction-pooler", s.transaction_pooler ? "true" : "false");
+  line("once", s.once ? "true" : "false");
+  line("metrics-listen", quoted(s.metrics_listen));
+  line("redis", quoted(without_credentials(s.redis)));
+  line("stream-prefix", quoted(s.stream_prefix));
+  line("maxlen", std::to_string(s.maxlen));
+  line("kafka-brokers", quoted(s.kafka_brokers));
+  std::string props;
+  for (const auto& p : s.kafka_properties) {
+    const auto key = p.substr(0, p.find('='));
+    props += (props.empty() ? "" : ", ") + quoted(secret_property(key) ? key + "=<hidden>" : p);
+  }
+  line("kafka-property", "[" + props + "]");
+  line("kafka-timeout-ms", std::to_string(s.kafka_timeout_ms));
+  line("kafka-client-id", quoted(s.kafka_client_id));
+  line("rabbitmq-url", quoted(without_credentials(s.rabbitmq_url)));
+  line("rabbitmq-user", quoted(s.rabbitmq_user));
+  line("rabbitmq-password", hidden(s.rabbitmq_password));
+  line("rabbitmq-ca-file", quoted(s.rabbitmq_ca_file));
+  line("rabbitmq-cert-file", quoted(s.rabbitmq_cert_file));
+  line("rabbitmq-key-file", quoted(s.rabbitmq_key_file));
+  line("rabbitmq-verify-peer", s.rabbitmq_verify_peer ? "true" : "false");
+  line("rabbitmq-verify-hostname", s.rabbitmq_verify_hostname ? "true" : "false");
+  line("rabbitmq-timeout-ms", std::to_string(s.rabbitmq_timeout_ms));
+  line("rabbitmq-key-header", quoted(s.rabbitmq_key_header));
+  line("nats-url", quoted(without_credentials(s.nats_url)));
+  line("nats-subject-prefix", quoted(s.nats_subject_prefix));
+  line("nats-expect-stream", quoted(s.nats_expect_stream));
+  line("nats-timeout-ms", std::to_string(s.nats_timeout_ms));
+  const CLI::Option* cfg = app.get_config_ptr();
+  fmt::print("# config file: {}\n", cfg && cfg->count() > 0 ? cfg->as<std::string>() : std::string("none"));
+}
+
+// CLI11's help, without its generic "Usage: ... [OPTIONS]" line (the description has a real one).
+class HelpFormatter final : public CLI::Formatter {
+ public:
+  HelpFormatter() { column_width(44); }
+  std::string make_usage(const CLI::App* /*app*/, std::string /*name*/) const override { return "\n"; }
+};
+
+const char* const description =
+    "idem-outbox-relay: publishes the committed rows of an idem outbox (PostgreSQL) to Redis Streams, Kafka,\n"
+    "RabbitMQ or NATS JetStream, each message with its stable outbox id (consumers deduplicate on it).\n"
+    "\n"
+    "usage: idem-outbox-relay --conninfo STR | --conninfo-file PATH [--publisher P] <the publisher's settings> "
+    "[options]\n"
+    "\n"
+    "Every setting may also come from the environment variable named after it (IDEM_RELAY_<FLAG>, shown\n"
+    "as Env below) or from a config file (--config PATH, `flag-name = value` lines); a flag wins over the\n"
+    "environment, which wins over the file. Keep the conninfo and passwords out of the command line:\n"
+    "put them in the environment or the file.";
+
+const char* const footer =
+    "Destinations: each row's destination names the stream (redis, after --stream-prefix), the topic\n"
+    "(kafka), \"exchange/routing-key\" or a queue name (rabbitmq) or the subject (nats, after\n"
+    "--nats-subject-prefix). Any number of relays may run against one outbox: rows are claimed with\n"
+    "FOR UPDATE SKIP LOCKED, per-message_key order is kept, and a relay killed mid-batch leaves its rows\n"
+    "to be published again with the same ids. SIGINT / SIGTERM: the batch in flight is finished, exit 0.\n"
+    "Exit status: 0 stopped by a signal (or --once succeeded), 1 a failure, 2 a bad setting.\n"
+    "docs/relay.md, docs/outbox.md.";
 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  idem::OutboxRelayOptions ro;
-  idem::RedisStreamsPublisherOptions po;
-  bool once = false;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    if (k == "--help" || k == "-h") {
-      std::fputs(help, stdout);
-      return 0;
-    }
-    if (k == "--version") {
-      fmt::print("idem-outbox-relay {}\n", idem::version_string);
-      return 0;
-    }
-    if (k == "--once") {
-      once = true;
-      continue;
-    }
-    if (k == "--transaction-pooler") {
-      ro.postgres.transaction_pooler = true;
-      continue;
-    }
-    if (i + 1 >= argc) usage(fmt::format("missing value of {}", k));
-    const std::string v = argv[++i];
-    if (k == "--conninfo") {
-      ro.postgres.conninfo = v;
-    } else if (k == "--conninfo-file") {
-      std::ifstream in(v);
-      if (!in || !std::getline(in, ro.postgres.conninfo) || ro.postgres.conninfo.empty())
-        usage(fmt::format("no conninfo in {}", v));
-    } else if (k == "--schema") {
-      ro.schema = v;
-    } else if (k == "--table") {
-      ro.table = v;
-    } else if (k == "--redis") {
-      po.redis.url = v;
-    } else if (k == "--stream-prefix") {
-      po.stream_prefix = v;
-    } else if (k == "--maxlen") {
-      po.maxlen = static_cast<std::size_t>(number(k, v, 0, 1L << 40));
-    } else if (k == "--batch") {
-      ro.batch = static_cast<std::size_t>(number(k, v, 1, 10'000));
-    } else if (k == "--poll-ms") {
-      ro.poll_interval = idem::millis{number(k, v, 1, 3'600'000)};
-    } else if (k == "--retention-ms") {
-      ro.retention = idem::millis{number(k, v, 0, 1L << 40)};
-    } else {
-      usage(fmt::format("unknown option {}", k));
-    }
-  }
-  if (ro.postgres.conninfo.empty()) usage("give --conninfo or --conninfo-file");
-  if (po.redis.url.empty()) usage("give --redis");
+  Settings s;
+  CLI::App app{description, program};
+  app.set_help_flag("-h,--help", "This text, and exit");
+  app.set_version_flag("--version", fmt::format("{} {}", program, idem::version_string),
+                       "Print \"idem-outbox-relay X.Y.Z\" (the idem version) and exit");
+  app.footer(footer);
+  app.formatter(std::make_shared<HelpFormatter>());
+  app.option_defaults()->always_capture_default();
 
-  idem::OutboxRelay relay{std::make_unique<idem::RedisStreamsPublisher>(po), ro};
-  relay.set_observer([](const idem::OutboxRelayEvent& e) {
-    if (e.kind == idem::OutboxRelayEvent::Kind::publish_failed || e.kind == idem::OutboxRelayEvent::Kind::error ||
-        e.kind == idem::OutboxRelayEvent::Kind::warning)
-      std::fprintf(stderr, "idem-outbox-relay: %s\n", e.error.c_str());
-  });
-  if (once) {
-    relay.run_once();
-    const auto s = relay.stats();
-    return s.publish_failures == 0 ? 0 : 1;
+  // The config file; IDEM_RELAY_CONFIG names it too (CLI11 reads the file before the environment,
+  // so the variable is given as the option's default, and a file it names must exist).
+  const char* env_config = std::getenv("IDEM_RELAY_CONFIG");
+  CLI::Option* config = app.set_config("--config", env_config ? env_config : "",
+                                       "A config file: `flag-name = value` lines (TOML / INI); [section] prefixes "
+                                       "names (\"[kafka]\" then \"brokers = ...\")",
+                                       env_config != nullptr && *env_config != '\0');
+  config->envname("IDEM_RELAY_CONFIG")->type_name("PATH");
+  app.config_formatter(std::make_shared<RelayConfigFile>(app));
+  app.allow_config_extras(CLI::config_extras_mode::error);  // a misspelt key is an error, not ignored
+
+  // Every setting's variable: IDEM_RELAY_ and the flag in upper snake case.
+  const auto add = [](CLI::Option* o) { return o->envname(env_name(o->get_lnames().front())); };
+  const auto positive_ms = CLI::Range(1L, 86'400'000L);
+
+  // The outbox and the relay.
+  add(app.add_option("--publisher", s.publisher, "Where to publish: redis, kafka, rabbitmq or nats"))
+      ->check(CLI::IsMember({"redis", "kafka", "rabbitmq", "nats"}))
+      ->type_name("NAME");
+  add(app.add_option("--conninfo", s.conninfo, "libpq conninfo or URI of the database holding the outbox"))
+      ->type_name("STR");
+  add(app.add_option("--conninfo-file", s.conninfo_file, "Read the conninfo from the first line of PATH"))
+      ->check(CLI::ExistingFile)
+      ->type_name("PATH");
+  add(app.add_option("--schema", s.schema, "The store's schema"))->type_name("NAME");
+  add(app.add_option("--table", s.table, "The store's table; the outbox is <table>_outbox"))->type_name("NAME");
+  add(app.add_option("--batch", s.batch, "Rows per batch"))
+      ->check(CLI::Range(std::size_t{1}, std::size_t{10'000}))
+      ->type_name("N");
+  add(app.add_option("--poll-ms", s.poll_ms, "Poll interval when no NOTIFY arrives"))
+      ->check(CLI::Range(1L, 3'600'000L))
+      ->type_name("MS");
+  add(app.add_option("--retention-ms", s.retention_ms,
+                     "Keep sent rows this long before purging them (0 = delete at once)"))
+      ->check(CLI::Range(0L, 1L << 40))
+      ->type_name("MS");
+  add(app.add_option("--backoff-max-ms", s.backoff_max_ms, "Longest wait before publishing a failed row again"))
+      ->check(CLI::Range(100L, 86'400'000L))
+      ->type_name("MS");
+  add(app.add_option(
+          "--claim-idle-timeout-ms", s.claim_idle_timeout_ms,
+          "A claim idle this long (a relay paused mid-publish) is ended by the server (0 = never, else >= 1000)"))
+      ->check(CLI::Range(0L, 86'400'000L))
+      ->type_name("MS");
+  add(app.add_flag("--transaction-pooler", s.transaction_pooler,
+                   "The conninfo reaches a transaction-mode pooler (PgBouncer): no session settings, unnamed "
+                   "statements, polling instead of LISTEN"));
+  add(app.add_flag("--once", s.once, "Publish what is due, once, and exit (status 0 when that succeeded)"));
+  add(app.add_option("--metrics-listen", s.metrics_listen,
+                     "Serve Prometheus metrics at http://HOST:PORT/metrics (off by default)"))
+      ->check(
+          [](const std::string& v) {
+            const auto colon = v.rfind(':');
+            const std::string port = colon == std::string::npos ? std::string() : v.substr(colon + 1);
+            if (port.empty() || port.size() > 5 || !std::all_of(port.begin(), port.end(), ::isdigit) ||
+                std::stol(port) > 65535)
+              return std::string("must be HOST:PORT (127.0.0.1:9465, 0.0.0.0:9465, [::]:9465)");
+            return std::string();
+          },
+          "")
+      ->type_name("HOST:PORT");
+  add(app.add_flag("--check-config", s.check_config,
+                   "Check the settings (and build the publisher, without connecting), print them "
+                   "(passwords hidden) and exit 0"));
+
+  // Redis Streams.
+  add(app.add_option("--redis", s.redis, "redis://[user[:password]@]host[:port][/db], rediss://, unix:///path"))
+      ->group("Redis Streams (--publisher redis)")
+      ->type_name("URL");
+  add(app.add_option("--stream-prefix", s.stream_prefix, "Prepended to each destination to name its stream"))
+      ->group("Redis Streams (--publisher redis)")
+      ->type_name("P");
+  add(app.add_option("--maxlen", s.maxlen, "Trim each stream to about N entries (0 = never)"))
+      ->group("Redis Streams (--publisher redis)")
+      ->check(CLI::Range(std::size_t{0}, std::size_t{1} << 40))
+      ->type_name("N");
+
+  // Kafka.
+  const char* const kafka = "Kafka (--publisher kafka; an idempotent producer, acks=all)";
+  add(app.add_option("--kafka-brokers", s.kafka_brokers, "bootstrap.servers: HOST:PORT[,HOST:PORT...]"))
+      ->group(kafka)
+      ->type_name("LIST");
+  add(app.add_option("--kafka-property", s.kafka_properties,
+                     "A librdkafka producer property (security.protocol=ssl, sasl.password=...); repeatable; in "
+                     "the environment, several separated by ';'"))
+      ->group(kafka)
+      ->type_name("KEY=VALUE")
+      ->delimiter(';')
+      ->check(
+          [](const std::string& v) {
+            const auto eq = v.find('=');
+            return eq == std::string::npos || eq == 0 ? std::string("must be KEY=VALUE") : std::string();
+          },
+          "");
+  add(app.add_option("--kafka-timeout-ms", s.kafka_timeout_ms, "Bound on one batch's delivery reports"))
+      ->group(kafka)
+      ->check(positive_ms)
+      ->type_name("MS");
+  add(app.add_option("--kafka-client-id", s.kafka_client_id, "client.id, as the brokers log it"))->group(kafka);
+
+  // RabbitMQ.
+  const char* const rabbit = "RabbitMQ (--publisher rabbitmq; publisher confirms)";
+  add(app.add_option("--rabbitmq-url", s.rabbitmq_url,
+                     "amqp://[user[:password]@]host[:port][/vhost] or amqps://... (TLS); the vhost \"/\" is %2f"))
+      ->group(rabbit)
+      ->type_name("URL");
+  add(app.add_option("--rabbitmq-user", s.rabbitmq_user, "Login user when the URL has none (default guest)"))
+      ->group(rabbit);
+  add(app.add_option("--rabbitmq-password", s.rabbitmq_password,
+                     "Login password when the URL has none (default guest); better in the environment"))
+      ->group(rabbit);
+  add(app.add_option("--rabbitmq-ca-file", s.rabbitmq_ca_file,
+                     "PEM CA certificates for amqps:// (default: the system's)"))
+      ->group(rabbit)
+      ->type_name("PATH");
+  add(app.add_option("--rabbitmq-cert-file", s.rabbitmq_cert_file, "PEM client certificate (mutual TLS)"))
+      ->group(rabbit)
+      ->type_name("PATH");
+  add(app.add_option("--rabbitmq-key-file", s.rabbitmq_key_file, "PEM private key of --rabbitmq-cert-file"))
+      ->group(rabbit)
+      ->type_name("PATH");
+  add(app.add_option("--rabbitmq-verify-peer", s.rabbitmq_verify_peer, "Check the broker's certificate"))
+      ->group(rabbit)
+      ->type_name("BOOL");
+  add(app.add_option("--rabbitmq-verify-hostname", s.rabbitmq_verify_hostname,
+                     "Check that the certificate names the host"))
+      ->group(rabbit)
+      ->type_name("BOOL");
+  add(app.add_option("--rabbitmq-timeout-ms", s.rabbitmq_timeout_ms, "Bound on connecting and on one batch's confirms"))
+      ->group(rabbit)
+      ->check(positive_ms)
+      ->type_name("MS");
+  add(app.add_option("--rabbitmq-key-header", s.rabbitmq_key_header, "AMQP header carrying the message_key"))
+      ->group(rabbit)
+      ->type_name("NAME");
+
+  // NATS.
+  const char* const nats = "NATS JetStream (--publisher nats; Nats-Msg-Id = the outbox id)";
+  add(app.add_option("--nats-url", s.nats_url, "nats://[user:password@]host:port[,...] (tls:// for TLS)"))
+      ->group(nats)
+      ->type_name("URL");
+  add(app.add_option("--nats-subject-prefix", s.nats_subject_prefix,
+                     "Prepended to each destination to name its subject"))
+      ->group(nats)
+      ->type_name("P");
+  add(app.add_option("--nats-expect-stream", s.nats_expect_stream, "Refuse a message stored by any other stream"))
+      ->group(nats)
+      ->type_name("NAME");
+  add(app.add_option("--nats-timeout-ms", s.nats_timeout_ms, "Connect and acknowledgement timeout"))
+      ->group(nats)
+      ->check(positive_ms)
+      ->type_name("MS");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::FileError& e) {
+    usage(fmt::format("--config (or IDEM_RELAY_CONFIG): {}", e.what()));
+  } catch (const CLI::ConfigError& e) {
+    usage(fmt::format("--config (or IDEM_RELAY_CONFIG): {}", e.what()));
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    usage(with_source(e.what(), app, argc, argv));
   }
-  // The relay's thread starts with these blocked too, so only sigwait below takes them.
+
+  // The conninfo: one of the two, from wherever it came.
+  if (!s.conninfo.empty() && !s.conninfo_file.empty())
+    usage(
+        "--conninfo and --conninfo-file are both set (flags, IDEM_RELAY_CONNINFO[_FILE] or the config file): keep one");
+  if (!s.conninfo_file.empty()) {
+    std::ifstream in(s.conninfo_file);
+    if (!in || !std::getline(in, s.conninfo) || s.conninfo.empty())
+      usage(fmt::format("--conninfo-file: no conninfo on the first line of {}", s.conninfo_file));
+  }
+  if (s.conninfo.empty())
+    usage("give --conninfo or --conninfo-file (or IDEM_RELAY_CONNINFO / IDEM_RELAY_CONNINFO_FILE)");
+#ifndef IDEM_RELAY_WITH_METRICS
+  if (!s.metrics_listen.empty())
+    usage(
+        "--metrics-listen: this idem-outbox-relay was built without prometheus-cpp (apt-get install "
+        "prometheus-cpp-dev)");
+#endif
+
+  idem::OutboxRelayOptions ro;
+  ro.postgres.conninfo = s.conninfo;
+  ro.postgres.transaction_pooler = s.transaction_pooler;
+  ro.schema = s.schema;
+  ro.table = s.table;
+  ro.batch = s.batch;
+  ro.poll_interval = idem::millis{s.poll_ms};
+  ro.retention = idem::millis{s.retention_ms};
+  ro.backoff_max = idem::millis{s.backoff_max_ms};
+  ro.claim_idle_timeout = idem::millis{s.claim_idle_timeout_ms};
+
+  // SIGINT / SIGTERM blocked before any thread exists (the publisher's, the relay's, the exposer's
+  // inherit the mask), so only the sigwait below takes them. --once keeps their default action.
   sigset_t stop_signals;
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  relay.start();
+  if (!s.once && !s.check_config) pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  Built built;
+  std::unique_ptr<idem::OutboxRelay> relay;
+  try {
+    built = build_publisher(s);
+    relay = std::make_unique<idem::OutboxRelay>(std::move(built.publisher), ro);
+  } catch (const idem::invalid_options_error& e) {
+    usage(e.what());
+  }
+  if (s.check_config) {
+    print_settings(s, app);
+    return 0;
+  }
+  relay->set_observer([](const idem::OutboxRelayEvent& e) {
+    if (e.kind == idem::OutboxRelayEvent::Kind::publish_failed || e.kind == idem::OutboxRelayEvent::Kind::error ||
+        e.kind == idem::OutboxRelayEvent::Kind::warning)
+      std::fprintf(stderr, "%s: %s\n", program, e.error.c_str());
+  });
+
+  std::string metrics_note;
+#ifdef IDEM_RELAY_WITH_METRICS
+  std::unique_ptr<idem::relay_program::RelayMetrics> metrics;
+  if (!s.metrics_listen.empty()) {
+    try {
+      metrics = std::make_unique<idem::relay_program::RelayMetrics>(
+          s.metrics_listen, *relay,
+          idem::relay_program::MetricsSource{.publisher = s.publisher,
+                                             .conninfo = s.conninfo,
+                                             .transaction_pooler = s.transaction_pooler,
+                                             .schema = s.schema,
+                                             .table = s.table});
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s: %s\n", program, e.what());
+      return exit_failure;
+    }
+    const auto colon = s.metrics_listen.rfind(':');
+    metrics_note = fmt::format("; metrics on http://{}:{}/metrics", s.metrics_listen.substr(0, colon), metrics->port());
+  }
+#endif
+  std::fprintf(stderr, "%s %s: relaying %s.%s_outbox to %s (batch %zu, poll %ld ms)%s\n", program, idem::version_string,
+               s.schema.c_str(), s.table.c_str(), built.destination.c_str(), s.batch, s.poll_ms, metrics_note.c_str());
+
+  if (s.once) {
+    relay->run_once();
+    return relay->stats().publish_failures == 0 ? 0 : exit_failure;
+  }
+  relay->start();
   int sig = 0;
   sigwait(&stop_signals, &sig);
-  relay.stop();
-  const auto s = relay.stats();
-  std::fprintf(stderr, "idem-outbox-relay: stopped; published %llu rows in %llu batches, %llu publish failures\n",
-               static_cast<unsigned long long>(s.published), static_cast<unsigned long long>(s.batches),
-               static_cast<unsigned long long>(s.publish_failures));
+  std::fprintf(stderr, "%s: %s: finishing the batch in flight (a second signal exits at once)\n", program,
+               sig == SIGINT ? "SIGINT" : "SIGTERM");
+  std::thread([stop_signals] {
+    int again = 0;
+    sigwait(&stop_signals, &again);
+    std::fprintf(stderr, "%s: second signal: exiting without waiting\n", program);
+    ::_exit(exit_failure);
+  }).detach();
+  relay->stop();
+  const auto st = relay->stats();
+  std::fprintf(stderr, "%s: stopped; published %llu rows in %llu batches, %llu publish failures\n", program,
+               static_cast<unsigned long long>(st.published), static_cast<unsigned long long>(st.batches),
+               static_cast<unsigned long long>(st.publish_failures));
   return 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "idem-outbox-relay: %s\n", e.what());
-  return 1;
+  std::fprintf(stderr, "%s: %s\n", program, e.what());
+  return exit_failure;
 }
