@@ -22,9 +22,10 @@ else()
 endif()
 
 set(IDEM_PKGCONFIG_MODULES idem)
-# The core: header-only over fmt and libcrypto (the payload fingerprint), with threads.
+# The core: headers and libidem.a (the payload fingerprint over libcrypto, the default owner), over
+# fmt, with threads. libcrypto is public: a static archive does not carry it.
 set(IDEM_PC_REQUIRES "fmt libcrypto")
-set(IDEM_PC_LIBS "-pthread")
+set(IDEM_PC_LIBS "-L\${libdir} -lidem -pthread")
 configure_file("${CMAKE_CURRENT_LIST_DIR}/idem.pc.in" "${PROJECT_BINARY_DIR}/pkgconfig/idem.pc" @ONLY)
 
 # idem_pkgconfig(<component> DESCRIPTION <text> [REQUIRES <module>...] [DEPS <module>...])
@@ -86,7 +87,7 @@ idem_pkgconfig(tiered DESCRIPTION "idem: TieredStore (Redis in front of PostgreS
 idem_pkgconfig(outbox DESCRIPTION "idem: the transactional outbox's relay and its Redis Streams publisher"
                REQUIRES idem-postgres idem-redis DEPS hiredis)
 idem_pkgconfig(outbox_kafka DESCRIPTION "idem: the outbox's Kafka publisher (librdkafka)" REQUIRES idem DEPS rdkafka)
-idem_pkgconfig(kafka DESCRIPTION "idem: Kafka consumer helpers (OffsetTracker, the consumer loop; librdkafka)" REQUIRES idem rdkafka)
+idem_pkgconfig(kafka DESCRIPTION "idem: Kafka consumer helpers (OffsetTracker, the consumer loop over librdkafka)" REQUIRES idem DEPS rdkafka)
 idem_pkgconfig(outbox_rabbitmq DESCRIPTION "idem: the outbox's RabbitMQ publisher (librabbitmq)"
                REQUIRES idem DEPS librabbitmq)
 idem_pkgconfig(rabbitmq DESCRIPTION "idem: the RabbitMQ queue consumer (librabbitmq)" REQUIRES idem DEPS librabbitmq)
