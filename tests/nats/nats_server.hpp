@@ -186,16 +186,9 @@ public:
     if (s != NATS_OK) throw std::runtime_error("test: publish to " + subject + " failed: " + natsStatus_GetText(s));
   }
   void publish(const std::string& subject, const std::string& key, const std::string& data, const std::string& msg_id = {}) {
-    natsMsg* m = nullptr;
-    natsMsg_Create(&m, subject.c_str(), nullptr, data.data(), static_cast<int>(data.size()));
-    natsMsgHeader_Set(m, "Idem-Key", key.c_str());
-    if (!msg_id.empty()) natsMsgHeader_Set(m, "Nats-Msg-Id", msg_id.c_str());
-    jsPubAck* pa = nullptr;
-    jsErrCode code{};
-    const natsStatus s = js_PublishMsg(&pa, js_, m, nullptr, &code);
-    natsMsg_Destroy(m);
-    if (pa != nullptr) jsPubAck_Destroy(pa);
-    if (s != NATS_OK) throw std::runtime_error("test: publish to " + subject + " failed: " + natsStatus_GetText(s));
+    std::vector<std::pair<std::string, std::string>> headers{{"Idem-Key", key}};
+    if (!msg_id.empty()) headers.emplace_back("Nats-Msg-Id", msg_id);
+    publish_with(subject, data, headers);
   }
 
   /// Messages in a stream now.

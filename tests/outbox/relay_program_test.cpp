@@ -6,22 +6,16 @@
 // the setting), --help, and /metrics scraped directly and by a real Prometheus server. One server
 // per case; the RabbitMQ case is hidden ([.]) and run by its own CTest entry with the broker fixture.
 
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <fmt/format.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <regex>
@@ -32,7 +26,9 @@
 #include <vector>
 
 #include "outbox_support.hpp"
-#include "prometheus/mini_json.hpp"
+#include "support/http_get.hpp"
+#include "support/prometheus_server.hpp"
+#include "support/temp_dir.hpp"
 #ifdef IDEM_RELAY_TEST_KAFKA
 #include "kafka_support.hpp"
 #endif
@@ -63,28 +59,12 @@ std::string slurp(const std::string& path) {
   return s.str();
 }
 
-// A temp dir removed at the end, with everything in it.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "idem-relay-program-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  std::string file(const std::string& name, const std::string& text) const {
-    const std::string p = path + "/" + name;
-    std::ofstream(p) << text;
-    return p;
-  }
+// A temp dir removed at the end, with everything in it (tests/support/temp_dir.hpp).
+struct TempDir : idem::test::TempDir {
+  TempDir() : idem::test::TempDir("idem-relay-program-") {}
 };
 
-// A child process (the relay, or prometheus) with an environment of the test's choosing (the
+// A child process (the relay) with an environment of the test's choosing (the
 // parent's without any IDEM_RELAY_* variable, plus `env`), stdout and stderr in a log file; it dies
 // with the test (PR_SET_PDEATHSIG) and is SIGKILLed by the destructor if still running.
 class Process {
@@ -225,42 +205,7 @@ std::multiset<std::string> expected_ids(const Env& env, const std::string& prefi
   return ids;
 }
 
-// ---- HTTP/1.0 GET on loopback ----
-
-struct HttpResponse {
-  int status = 0;
-  std::string body;
-};
-
-HttpResponse http_get(int port, const std::string& target) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket");
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    throw std::runtime_error("connect to 127.0.0.1:" + std::to_string(port) + " failed: " + std::strerror(errno));
-  }
-  const std::string req = "GET " + target + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
-    ::close(fd);
-    throw std::runtime_error("send failed");
-  }
-  std::string resp;
-  char buf[8192];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) resp.append(buf, static_cast<std::size_t>(n));
-  ::close(fd);
-  const auto head_end = resp.find("\r\n\r\n");
-  if (resp.rfind("HTTP/1.", 0) != 0 || head_end == std::string::npos || resp.size() < 12)
-    throw std::runtime_error("bad HTTP response: " + resp.substr(0, 200));
-  return {std::atoi(resp.substr(9, 3).c_str()), resp.substr(head_end + 4)};
-}
+using idem::test::http_get;
 
 // The value of the sample `series` (name and labels exactly as exposed) in a /metrics text; -1 when absent.
 double sample(const std::string& text, const std::string& series) {
@@ -525,38 +470,9 @@ TEST_CASE("relay program: a real Prometheus scrapes the relay's /metrics", "[rel
   auto relay =
       start_relay(dir, {"--conninfo", pgtest::conninfo(), "--schema", "idem_test", "--table", env.table, "--redis",
                         "redis://127.0.0.1:" + std::to_string(redis.port()), "--metrics-listen", "127.0.0.1:0"});
-  const int target = metrics_port(*relay);
-
-  // Prometheus: a 1 s scrape of the relay, on a free port (again on a clash).
-  const std::string config = dir.file("prometheus.yml",
-                                      "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-                                      "scrape_configs:\n  - job_name: idem-outbox-relay\n    static_configs:\n"
-                                      "      - targets: [\"127.0.0.1:" +
-                                          std::to_string(target) + "\"]\n");
-  std::unique_ptr<Process> prom;
-  int prom_port = 0;
-  for (int attempt = 0; attempt < 3 && !prom; ++attempt) {
-    prom_port = idem::test::free_port();
-    prom = std::make_unique<Process>(
-        std::vector<std::string>{exe, "--config.file=" + config, "--storage.tsdb.path=" + dir.path + "/data",
-                                 "--web.listen-address=127.0.0.1:" + std::to_string(prom_port), "--log.level=warn"},
-        std::vector<std::string>{}, dir.path + "/prometheus-" + std::to_string(attempt) + ".log");
-    const auto end = Clock::now() + 20s;
-    bool ready = false;
-    while (!ready && Clock::now() < end && prom->running()) {
-      try {
-        ready = http_get(prom_port, "/-/ready").status == 200;
-      } catch (const std::exception&) {
-      }
-      if (!ready) std::this_thread::sleep_for(100ms);
-    }
-    if (!ready) {
-      INFO(prom->log());
-      if (prom->log().find("address already in use") == std::string::npos) FAIL("prometheus did not start");
-      prom.reset();
-    }
-  }
-  REQUIRE(prom);
+  // Prometheus: a 1 s scrape of the relay, on a free port (again on a clash); one that cannot start
+  // fails the test here, with its log.
+  const idem::test::PrometheusServer prom(exe, {.target_port = metrics_port(*relay), .job = "idem-outbox-relay"});
 
   env.write("scraped", 7, 7, "m-");
   wait_all_sent(env, *relay, 7);
@@ -568,17 +484,19 @@ TEST_CASE("relay program: a real Prometheus scrapes the relay's /metrics", "[rel
   std::string answer;
   const auto end = Clock::now() + 20s;
   while (Clock::now() < end && value != 7) {
-    std::string q;
-    for (const unsigned char c : query)
-      q += std::isalnum(c) ? std::string(1, static_cast<char>(c)) : fmt::format("%{:02X}", c);
-    const auto r = http_get(prom_port, "/api/v1/query?query=" + q);
-    answer = r.body;
-    const auto j = idem_test::parse_json(r.body);
-    if (r.status == 200 && j["status"].str() == "success" && !j["data"]["result"].arr().empty())
-      value = std::stod(j["data"]["result"].arr().at(0)["value"].arr().at(1).str());
+    try {
+      const auto r = prom.query(query);
+      answer = fmt::format("{} series", r.size());
+      if (!r.empty()) {
+        value = r[0].value;
+        answer += fmt::format(", the first at {}", value);
+      }
+    } catch (const std::exception& e) {
+      answer = e.what();  // the API's error, or a query before the first scrape
+    }
     if (value != 7) std::this_thread::sleep_for(250ms);
   }
-  INFO("prometheus answered: " << answer << "\nits log:\n" << prom->log());
+  INFO("prometheus answered: " << answer << "\nits log:\n" << prom.log());
   CHECK(value == 7);
   CHECK(relay->stop(SIGTERM) == 0);
 }

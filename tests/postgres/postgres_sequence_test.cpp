@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <limits>
 #include <mutex>
@@ -143,45 +144,51 @@ TEST_CASE("postgres sequence: 8 threads on shared entities end at the max, each 
   idem::contract::advance_race(s, uid("race"), 8, 3, 25);
 }
 
-TEST_CASE("postgres sequence: SequenceGate over PostgresStore (lease mode) answers stale") {
+namespace {
+
+// Lease mode: a gate over a PostgresStore and its sequence store, and what the handler ran.
+struct LeaseGate {
   idem::PostgresStore store = pgtest::store();
   PostgresSequenceStore seqs{store, seq_options()};
-  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
-  idem::SequenceGate gate{seqs};
+  idem::IdempotencyGuard<idem::PostgresStore> guard{store, {.lease = 10s, .retention = 1h}};
+  idem::SequenceGate<PostgresSequenceStore> gate{seqs};
   const std::string ent = uid("acct");
   std::vector<std::uint64_t> ran;
-  auto deliver = [&](std::uint64_t seq) {
-    const std::string key = ent + "/evt-" + std::to_string(seq);
-    return gate.run(guard, {.key = key, .entity = ent, .seq = seq}, [&] {
+
+  idem::SequencedEvent event(std::uint64_t seq) {
+    keys.push_back(ent + "/evt-" + std::to_string(seq));
+    return {.key = keys.back(), .entity = ent, .seq = seq};
+  }
+  auto handler(std::uint64_t seq) {
+    return [this, seq] {
       ran.push_back(seq);
       return static_cast<long>(seq);
-    });
-  };
+    };
+  }
+  std::deque<std::string> keys;  // the events' keys outlive each call
+};
+
+}  // namespace
+
+TEST_CASE("postgres sequence: SequenceGate over PostgresStore (lease mode) answers stale") {
+  LeaseGate f;
+  auto deliver = [&](std::uint64_t seq) { return f.gate.run(f.guard, f.event(seq), f.handler(seq)); };
   CHECK(deliver(1).status == Status::executed);
   CHECK(deliver(3).status == Status::executed);
   auto o2 = deliver(2);
   CHECK(o2.status == Status::stale);
   CHECK(o2.last_applied == 3u);
   CHECK(deliver(3).status == Status::stale);
-  CHECK(ran == std::vector<std::uint64_t>{1, 3});
-  CHECK(seqs.last_applied(ent) == 3u);
+  CHECK(f.ran == std::vector<std::uint64_t>{1, 3});
+  CHECK(f.seqs.last_applied(f.ent) == 3u);
 }
 
 #if IDEM_TEST_ASYNC
 TEST_CASE("postgres sequence: SequenceGate::run_async over PostgresStore (lease mode) answers stale, advances") {
-  idem::PostgresStore store = pgtest::store();
-  PostgresSequenceStore seqs{store, seq_options()};
-  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 1h}};
-  idem::SequenceGate gate{seqs};
-  const std::string ent = uid("acct");
-  std::vector<std::uint64_t> ran;
+  LeaseGate f;
   auto deliver = [&](std::uint64_t seq) {
-    const std::string key = ent + "/evt-" + std::to_string(seq);
     boost::asio::io_context io;
-    auto fut = boost::asio::co_spawn(io, gate.run_async(guard, {.key = key, .entity = ent, .seq = seq}, [&ran, seq] {
-      ran.push_back(seq);
-      return static_cast<long>(seq);
-    }), boost::asio::use_future);
+    auto fut = boost::asio::co_spawn(io, f.gate.run_async(f.guard, f.event(seq), f.handler(seq)), boost::asio::use_future);
     io.run();
     return fut.get();
   };
@@ -194,12 +201,12 @@ TEST_CASE("postgres sequence: SequenceGate::run_async over PostgresStore (lease 
   CHECK(older.last_applied == 3u);
   CHECK(deliver(3).status == Status::stale);
   CHECK(deliver(4).value == 4L);
-  CHECK(ran == std::vector<std::uint64_t>{3, 4});
-  CHECK(seqs.last_applied(ent) == 4u);
+  CHECK(f.ran == std::vector<std::uint64_t>{3, 4});
+  CHECK(f.seqs.last_applied(f.ent) == 4u);
   // A transactional-mode store is refused, at the call.
   idem::PostgresStore txs = pgtest::store(idem::PostgresMode::transactional);
   idem::IdempotencyGuard txg{txs, {.lease = 10s, .retention = 1h}};
-  CHECK_THROWS_AS(gate.run_async(txg, {.key = "k", .entity = ent, .seq = 9}, [] { return 0L; }), idem::usage_error);
+  CHECK_THROWS_AS(f.gate.run_async(txg, {.key = "k", .entity = f.ent, .seq = 9}, [] { return 0L; }), idem::usage_error);
 }
 #endif
 

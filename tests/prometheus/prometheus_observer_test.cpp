@@ -15,45 +15,22 @@
 #include <thread>
 #include <vector>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
+#include <fmt/core.h>
 
 #include "idem/guard/guard.hpp"
 #include "idem/memory/memory_store.hpp"
 #include "idem/prometheus/observer.hpp"
+#include "support/http_get.hpp"
 
 using namespace std::chrono_literals;
 
 namespace {
 
-// The body of GET /metrics on 127.0.0.1:port (HTTP/1.0, so the server closes at the end).
+// The body of GET /metrics on 127.0.0.1:port; throws unless the answer is 200.
 std::string scrape(int port) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket");
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    throw std::runtime_error("connect to the exposer failed");
-  }
-  const std::string req = "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
-  if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
-    ::close(fd);
-    throw std::runtime_error("send failed");
-  }
-  std::string resp;
-  char buf[4096];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) resp.append(buf, static_cast<std::size_t>(n));
-  ::close(fd);
-  const auto body = resp.find("\r\n\r\n");
-  if (resp.rfind("HTTP/1.", 0) != 0 || resp.find(" 200 ") == std::string::npos || body == std::string::npos)
-    throw std::runtime_error("bad HTTP response: " + resp.substr(0, 200));
-  return resp.substr(body + 4);
+  const auto r = idem::test::http_get(port, "/metrics");
+  if (r.status != 200) throw std::runtime_error(fmt::format("GET /metrics answered {}: {}", r.status, r.body.substr(0, 200)));
+  return r.body;
 }
 
 // "name{b="2",a="1"}" as "name{a="1",b="2"}": the exposition format leaves label order open.

@@ -1,25 +1,19 @@
 // The operations kit against a real Prometheus server (Debian: prometheus): this program is the
 // consumer — an IdempotencyGuard on a MemoryStore with idem::PrometheusObserver serving /metrics
-// from prometheus-cpp's Exposer on a free loopback port — and it starts `prometheus` (a temp dir, a
-// free port, a 1 s scrape of that exporter, docs/operations/idem-alerts.yml as its rule file). After
-// a workload whose every count is known, it asks Prometheus's HTTP API, with the PromQL the alert
-// rules and the dashboard (docs/operations/idem-dashboard.json) use, and checks the answers equal
-// what the consumer produced; then that the alerts Prometheus evaluated are the expected ones.
+// from prometheus-cpp's Exposer on a free loopback port — and it starts `prometheus`
+// (tests/support/prometheus_server.hpp: a temp dir, a free port, a 1 s scrape of that exporter,
+// docs/operations/idem-alerts.yml as its rule file). After a workload whose every count is known,
+// it asks Prometheus's HTTP API, with the PromQL the alert rules and the dashboard
+// (docs/operations/idem-dashboard.json) use, and checks the answers equal what the consumer
+// produced; then that the alerts Prometheus evaluated are the expected ones.
 // Prometheus is stopped by PID at the end, also when a check fails; a prometheus that cannot start
 // fails the test.
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
-#include <cctype>
-#include <cerrno>
 #include <chrono>
-#include <cmath>
-#include <csignal>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -30,30 +24,23 @@
 #include <thread>
 #include <vector>
 
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <fmt/core.h>
 
 #include "idem/guard/guard.hpp"
 #include "idem/memory/memory_store.hpp"
 #include "idem/prometheus/observer.hpp"
-#include "mini_json.hpp"
-#include "../support/process.hpp"  // free_port
+#include "support/mini_json.hpp"
+#include "support/prometheus_server.hpp"
 
 using namespace std::chrono_literals;
+using idem::test::PrometheusServer;
 using idem_test::Json;
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// ---- files and processes ----
+// ---- files ----
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -62,218 +49,6 @@ std::string read_file(const std::string& path) {
   s << in.rdbuf();
   return s.str();
 }
-
-std::string tail(const std::string& text, std::size_t n = 3000) {
-  return text.size() <= n ? text : "..." + text.substr(text.size() - n);
-}
-
-using idem::test::free_port;
-
-// A temp dir removed at the end, with everything in it.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "idem-prometheus-XXXXXX").string();
-    if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-};
-
-// ---- HTTP/1.0 over a plain socket (Prometheus answers and closes) ----
-
-struct HttpResponse {
-  int status = 0;
-  std::string body;
-};
-
-HttpResponse http_get(int port, const std::string& target) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) throw std::runtime_error("socket");
-  timeval tv{5, 0};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<std::uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    throw std::runtime_error(fmt::format("connect to 127.0.0.1:{} failed: {}", port, std::strerror(errno)));
-  }
-  const std::string req = fmt::format("GET {} HTTP/1.0\r\nHost: 127.0.0.1:{}\r\nAccept: */*\r\n\r\n", target, port);
-  if (::send(fd, req.data(), req.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(req.size())) {
-    ::close(fd);
-    throw std::runtime_error("send failed");
-  }
-  std::string resp;
-  char buf[8192];
-  ssize_t n;
-  while ((n = ::recv(fd, buf, sizeof buf, 0)) > 0) resp.append(buf, static_cast<std::size_t>(n));
-  ::close(fd);
-  const auto head_end = resp.find("\r\n\r\n");
-  if (resp.rfind("HTTP/1.", 0) != 0 || head_end == std::string::npos || resp.size() < 12)
-    throw std::runtime_error(fmt::format("bad HTTP response from 127.0.0.1:{}{}: {}", port, target, resp.substr(0, 200)));
-  return {std::atoi(resp.substr(9, 3).c_str()), resp.substr(head_end + 4)};
-}
-
-std::string url_encode(std::string_view s) {
-  std::string out;
-  for (const unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~')
-      out += static_cast<char>(c);
-    else
-      out += fmt::format("%{:02X}", c);
-  }
-  return out;
-}
-
-// ---- the Prometheus server ----
-
-// One series of an instant query's answer.
-struct Sample {
-  std::map<std::string, std::string> labels;
-  double value = 0;
-};
-
-class PrometheusServer {
-public:
-  // Starts prometheus scraping 127.0.0.1:target_port every second, with `rules` loaded; waits for
-  // /-/ready. Throws (with the server's log) when it cannot start.
-  PrometheusServer(const std::string& exe, const std::string& rules, int target_port) {
-    if (exe.empty()) throw std::runtime_error("prometheus was not found at configure time: apt-get install prometheus");
-    const std::string config = dir_.path + "/prometheus.yml";
-    std::ofstream(config) << fmt::format(
-        "global:\n"
-        "  scrape_interval: 1s\n"
-        "  scrape_timeout: 1s\n"
-        "  evaluation_interval: 1s\n"
-        "rule_files:\n"
-        "  - \"{}\"\n"
-        "scrape_configs:\n"
-        "  - job_name: idem-consumer\n"
-        "    static_configs:\n"
-        "      - targets: [\"127.0.0.1:{}\"]\n",
-        rules, target_port);
-    std::string last_log, why;
-    for (int attempt = 0; attempt < 3; ++attempt) {  // a port taken between free_port() and the bind: again
-      port_ = free_port();
-      log_ = fmt::format("{}/prometheus-{}.log", dir_.path, attempt);
-      spawn(exe, config);
-      const auto deadline = Clock::now() + 20s;
-      why = "not ready within 20 s";
-      while (Clock::now() < deadline) {
-        if (exited()) {
-          why = fmt::format("{} exited (status {:#x})", exe, exit_status_);
-          break;
-        }
-        try {
-          if (http_get(port_, "/-/ready").status == 200) return;
-        } catch (const std::exception&) {
-        }
-        std::this_thread::sleep_for(100ms);
-      }
-      stop();
-      last_log = tail(read_file(log_));
-      if (last_log.find("address already in use") == std::string::npos) break;
-    }
-    throw std::runtime_error(fmt::format("prometheus did not start: {}; its log:\n{}", why, last_log));
-  }
-  ~PrometheusServer() { stop(); }
-  PrometheusServer(const PrometheusServer&) = delete;
-  PrometheusServer& operator=(const PrometheusServer&) = delete;
-
-  [[nodiscard]] int port() const { return port_; }
-  [[nodiscard]] std::string log() const { return tail(read_file(log_)); }
-
-  // GET path; the parsed JSON body of a {"status":"success"} answer, else throws with the error.
-  Json api(const std::string& path) const {
-    const HttpResponse r = http_get(port_, path);
-    const Json j = idem_test::parse_json(r.body);
-    if (r.status != 200 || j["status"].str() != "success")
-      throw std::runtime_error(fmt::format("prometheus {} answered {}: {}", path, r.status, r.body.substr(0, 500)));
-    return j["data"];
-  }
-
-  // An instant query at `time` (Unix seconds; 0 = now): one Sample per series of the answer.
-  std::vector<Sample> query(const std::string& promql, double time = 0) const {
-    std::string path = "/api/v1/query?query=" + url_encode(promql);
-    if (time > 0) path += fmt::format("&time={:.3f}", time);
-    const Json data = api(path);
-    std::vector<Sample> out;
-    const auto value = [](const Json& pair) { return std::stod(pair.arr().at(1).str()); };  // [ts, "value"]
-    if (data["resultType"].str() == "scalar") return {Sample{{}, value(data["result"])}};
-    for (const Json& r : data["result"].arr()) {
-      Sample smp{{}, value(r["value"])};
-      for (const auto& [k, v] : r["metric"].obj()) smp.labels[k] = v.str();
-      out.push_back(std::move(smp));
-    }
-    return out;
-  }
-
-private:
-  void spawn(const std::string& exe, const std::string& config) {
-    const std::vector<std::string> args{exe,
-                                        "--config.file=" + config,
-                                        "--storage.tsdb.path=" + dir_.path + "/data",
-                                        fmt::format("--web.listen-address=127.0.0.1:{}", port_),
-                                        "--log.level=info"};
-    std::vector<char*> argv;  // built before fork: the child of a threaded process must not allocate
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
-    const pid_t parent = ::getpid();
-    pid_ = ::fork();
-    if (pid_ < 0) throw std::runtime_error("fork failed");
-    if (pid_ == 0) {
-      // The child: dies with the test (SIGKILLed by a CTest timeout, say), writes to its log.
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (::getppid() != parent) ::_exit(126);
-      const int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-      if (fd >= 0) {
-        ::dup2(fd, 1);
-        ::dup2(fd, 2);
-        ::close(fd);
-      }
-      ::execv(argv[0], argv.data());
-      ::_exit(127);
-    }
-  }
-  bool exited() {
-    if (pid_ <= 0) return true;
-    if (::waitpid(pid_, &exit_status_, WNOHANG) == pid_) {
-      pid_ = -1;
-      return true;
-    }
-    return false;
-  }
-  // SIGTERM by PID, SIGKILL after 5 s, and reaped.
-  void stop() noexcept {
-    if (pid_ <= 0) return;
-    ::kill(pid_, SIGTERM);
-    const auto deadline = Clock::now() + 5s;
-    int status = 0;
-    while (::waitpid(pid_, &status, WNOHANG) == 0) {
-      if (Clock::now() > deadline) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(20ms);
-    }
-    pid_ = -1;
-  }
-
-  TempDir dir_;
-  std::string log_;
-  int port_ = 0;
-  pid_t pid_ = -1;
-  int exit_status_ = 0;  // waitpid's status once the process has exited
-};
 
 // ---- the consumer's store, with faults where the workload asks for them ----
 
@@ -381,7 +156,7 @@ std::string expand(std::string expr, const std::string& job, const std::string& 
 
 TEST_CASE("a real Prometheus scraping the observer counts the workload exactly with the alert rules and the dashboard queries") {
   const std::string ops_dir = IDEM_OPERATIONS_DIR;
-  const std::string job = "idem-consumer";  // the scrape job of the config below
+  const std::string job = "idem-consumer";  // the scrape job of the server below
   const std::string store_label = "orders";
   const auto test_deadline = Clock::now() + 60s;
 
@@ -392,7 +167,8 @@ TEST_CASE("a real Prometheus scraping the observer counts the workload exactly w
   REQUIRE(metrics->port() > 0);
 
   // ---- the server ----
-  PrometheusServer prom(IDEM_PROMETHEUS_SERVER, ops_dir + "/idem-alerts.yml", metrics->port());
+  PrometheusServer prom(IDEM_PROMETHEUS_SERVER,
+                        {.target_port = metrics->port(), .job = job, .rule_file = ops_dir + "/idem-alerts.yml"});
   INFO("prometheus on 127.0.0.1:" << prom.port());
 
   // Waits until `ok()` holds, polling every 200 ms; fails with the server's log past the deadline.

@@ -57,15 +57,9 @@ boost::asio::awaitable<CompleteAdvanceResult> step_complete_advance(Seq& q, Stor
 template <SequenceStore Seq>
 template <StateStore Store, class F>
 auto SequenceGate<Seq>::run_async(IdempotencyGuard<Store>& guard, SequencedEvent ev, F handler) {
-  using Ctx = typename IdempotencyGuard<Store>::context_type;
-  constexpr bool takes_ctx = std::is_invocable_v<F&, const Ctx&>;
-  static_assert(takes_ctx || std::is_invocable_v<F&>,
-                "idem: the handler must be callable with () or with (const idem::Context&)");
-  using Inv = std::conditional_t<takes_ctx, std::invoke_result<F&, const Ctx&>, std::invoke_result<F&>>;
-  using Returned = std::decay_t<typename Inv::type>;
+  using Returned = typename detail::gate_handler<typename IdempotencyGuard<Store>::context_type, F>::type;
   using R = std::decay_t<typename detail::awaited<Returned>::type>;
-  detail::check_entity(ev.entity, options_.max_entity_bytes);
-  detail::check_key(ev.key, guard.options().max_key_bytes);
+  check(guard, ev);
   const detail::AdvanceWay w = way(guard);
   if (w == detail::AdvanceWay::in_transaction)
     throw usage_error("idem: SequenceGate::run_async does not run a store in transactional mode; use run_sequenced "

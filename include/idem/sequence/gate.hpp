@@ -26,6 +26,18 @@
 
 namespace idem {
 
+namespace detail {
+/// What a gate handler returns: called with the guard's context, or with nothing.
+template <class Ctx, class F>
+struct gate_handler {
+  static constexpr bool takes_ctx = std::is_invocable_v<F&, const Ctx&>;
+  static_assert(takes_ctx || std::is_invocable_v<F&>,
+                "idem: the handler must be callable with () or with (const idem::Context&)");
+  using type = std::decay_t<
+      typename std::conditional_t<takes_ctx, std::invoke_result<F&, const Ctx&>, std::invoke_result<F&>>::type>;
+};
+}  // namespace detail
+
 /// What SequenceGate::run_batch did to one event's entity (the batch's own outcome is per item).
 struct SequenceNote {
   std::optional<std::uint64_t> last_applied;  ///< as SequencedOutcome::last_applied
@@ -90,13 +102,8 @@ public:
   template <StateStore Store, class F>
   auto run(IdempotencyGuard<Store>& guard, const SequencedEvent& ev, F&& handler) {
     using Ctx = typename IdempotencyGuard<Store>::context_type;
-    constexpr bool takes_ctx = std::is_invocable_v<F&, const Ctx&>;
-    static_assert(takes_ctx || std::is_invocable_v<F&>,
-                  "idem: the handler must be callable with () or with (const idem::Context&)");
-    using Inv = std::conditional_t<takes_ctx, std::invoke_result<F&, const Ctx&>, std::invoke_result<F&>>;
-    using R = std::decay_t<typename Inv::type>;
-    detail::check_entity(ev.entity, options_.max_entity_bytes);
-    detail::check_key(ev.key, guard.options().max_key_bytes);
+    using R = typename detail::gate_handler<Ctx, F>::type;
+    check(guard, ev);
     const auto started = std::chrono::steady_clock::now();
     detail::SequencePhase phase(rule(), ev.seq, way(guard));
     if constexpr (ChecksCompleteAdvance<Seq, Store>) {
@@ -175,6 +182,13 @@ public:
   [[nodiscard]] Seq& store() const noexcept { return *store_; }
 
 private:
+  // Bad input is refused before any store call.
+  template <class Store>
+  void check(const IdempotencyGuard<Store>& guard, const SequencedEvent& ev) const {
+    detail::check_entity(ev.entity, options_.max_entity_bytes);
+    detail::check_key(ev.key, guard.options().max_key_bytes);
+  }
+
   [[nodiscard]] detail::SequenceRule rule() const noexcept {
     return {options_.contiguous, options_.first, options_.gap_retry_after};
   }
@@ -273,10 +287,7 @@ auto SequenceGate<Seq>::run_batch(IdempotencyGuard<Store>& guard, std::span<cons
   using Inv = std::conditional_t<takes_ctx, std::invoke_result<F&, const SequencedEvent&, const Ctx&>,
                                  std::invoke_result<F&, const SequencedEvent&>>;
   using R = std::decay_t<typename Inv::type>;
-  for (const SequencedEvent& ev : events) {
-    detail::check_entity(ev.entity, options_.max_entity_bytes);
-    detail::check_key(ev.key, guard.options().max_key_bytes);
-  }
+  for (const SequencedEvent& ev : events) check(guard, ev);
   const auto started = std::chrono::steady_clock::now();
   // The advance of a batch never joins a store's batched completion: it follows the run, or
   // runs inside each item's transaction.

@@ -1,7 +1,8 @@
 #pragma once
-// A strict, small JSON reader for the tests in this folder: Prometheus's HTTP API answers and the
-// Grafana dashboard (docs/operations/idem-dashboard.json). Rejects what RFC 8259 rejects (trailing
-// commas, comments, bare words, trailing garbage), so a dashboard Grafana would refuse fails here.
+// A strict, small JSON reader for the tests: Prometheus's HTTP API answers (prometheus_server.hpp)
+// and the Grafana dashboard (docs/operations/idem-dashboard.json). Rejects what RFC 8259 rejects
+// (trailing commas, comments, bare words, trailing garbage), so a dashboard Grafana would refuse
+// fails here.
 
 #include <cstdint>
 #include <cstdlib>
