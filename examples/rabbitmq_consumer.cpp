@@ -1,24 +1,30 @@
 // rabbitmq_consumer: a starting template for a RabbitMQ consumer with exactly-once effects.
-// idem::RabbitConsumer consumes the queue (prefetch, reconnects), IdempotencyGuard decides each
-// delivery by its message-id, RabbitConsumer::settle acks, dead-letters (the queue's dead-letter
-// exchange) or requeues after a delay (a TTL queue). Copy it and put your logic in apply().
+// idem::RabbitConsumer consumes the queue (prefetch, reconnects) as an idem::Source; idem::consume
+// runs each polled batch through IdempotencyGuard and settles every delivery with its verdict:
+// ack, a dead letter with its reason (the queue's dead-letter exchange), or a requeue after a
+// delay (a TTL queue). Copy it and put your logic in Ledger::apply().
 //
-//   idem_rabbitmq_consumer [--host 127.0.0.1] [--port 5672] [--queue payments] [--prefetch 50]
+//   idem_rabbitmq_consumer [--url amqp[s]://user:password@host:port/vhost] [--host 127.0.0.1]
+//                          [--port 5672] [--queue payments] [--prefetch 50]
 //
-// Messages: the AMQP message-id property is the event id (the idempotency key; a message without
-// one is dead-lettered, never guessed), the body "account;amount". The guard runs on MemoryStore,
-// which dedupes what this process sees; with several consumer processes use RedisStore or
-// PostgresStore (transactional mode: the effect and its record commit together). On SIGINT or
-// SIGTERM it prints what it applied and exits. docs/consuming.md has the failure modes.
+// Messages: the idempotency key is the `idem-outbox-id` header (the outbox relay's) when present,
+// else the AMQP message-id property (a message with neither is dead-lettered, never guessed); the
+// body "account;amount". The guard runs on MemoryStore, which dedupes what this process sees; with
+// several consumer processes use RedisStore or PostgresStore (transactional mode: the effect and
+// its record commit together). On SIGINT or SIGTERM it finishes the batch in hand, prints what it
+// applied and exits. docs/consuming.md has the failure modes.
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <stdexcept>
 #include <stop_token>
 #include <string>
+#include <string_view>
 
 #include <fmt/core.h>
 
@@ -45,13 +51,13 @@ std::map<std::string, std::string> parse_flags(int argc, char** argv) {
 struct Ledger {
   std::map<std::string, long> balance;
   long applied = 0;
-  long apply(const std::string& body) {
+  long apply(std::string_view body) {
     const auto semi = body.find(';');
-    if (semi == std::string::npos || semi == 0) throw std::invalid_argument("body is not 'account;amount'");
-    const std::string account = body.substr(0, semi);
+    if (semi == std::string_view::npos || semi == 0) throw std::invalid_argument("body is not 'account;amount'");
+    const std::string account(body.substr(0, semi));
     if (account == "poison") throw std::runtime_error("poison payment");
     ++applied;
-    return balance[account] += std::atol(body.c_str() + semi + 1);
+    return balance[account] += std::atol(std::string(body.substr(semi + 1)).c_str());
   }
 };
 
@@ -61,12 +67,14 @@ int main(int argc, char** argv) try {
   auto flags = parse_flags(argc, argv);
   auto flag = [&](const char* name, const char* def) { return flags.count(name) ? flags[name] : std::string(def); };
   if (flags.count("--help")) {
-    std::puts("usage: idem_rabbitmq_consumer [--host H] [--port P] [--queue Q] [--prefetch N]\n"
+    std::puts("usage: idem_rabbitmq_consumer [--url amqp[s]://...] [--host H] [--port P] [--queue Q] [--prefetch N]\n"
               "Consumes queue Q (declaring Q, Q.dlx -> Q.dlq and the delay queue Q.delay) and applies each\n"
-              "payment exactly once, until SIGINT or SIGTERM; then prints what it applied.");
+              "payment exactly once, until SIGINT or SIGTERM; then prints what it applied. --url (amqps:// for\n"
+              "TLS, the system's CA bundle) replaces --host and --port.");
     return 0;
   }
   idem::RabbitConsumerOptions ro;
+  ro.url = flag("--url", "");
   ro.host = flag("--host", "127.0.0.1");
   ro.port = std::stoi(flag("--port", "5672"));
   ro.queue = flag("--queue", "payments");
@@ -84,16 +92,12 @@ int main(int argc, char** argv) try {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
 
-  consumer.run(g_stop.get_token(), [&](const idem::RabbitDelivery& d) -> idem::RabbitDecision {
-    if (d.message_id.empty()) return {idem::BrokerAction::dead_letter, {}};
-    try {
-      // The body is the fingerprint: a reused message-id with another body answers mismatch.
-      auto out = guard.run(d.message_id, d.body, [&] { return ledger.apply(d.body); });
-      return consumer.decide(out);  // ack; requeue after retry_after (in flight elsewhere); dead letter
-    } catch (...) {
-      return consumer.decide(std::current_exception());  // requeued; the failure policy counts
-    }
-  });
+  idem::ConsumeOptions co;
+  // The consumer's requeue waits (cap 1 s): its delay queue expires from its head only.
+  co.retry = consumer.options().retry;
+  // The body is the fingerprint: a reused key with another body answers mismatch (a dead letter).
+  idem::consume(consumer, guard, g_stop.get_token(),
+                [&](const idem::Delivery& m) { return ledger.apply(m.payload); }, co);
   const auto st = consumer.stats();
   fmt::print("applied {} payments to {} accounts; delivered {}, acked {}, dead-lettered {}, requeued {}\n",
              ledger.applied, ledger.balance.size(), st.delivered, st.acked, st.dead_lettered, st.requeued);

@@ -1,20 +1,28 @@
 #pragma once
 /// @file rabbitmq/consumer.hpp RabbitConsumer: a RabbitMQ queue consumer for IdempotencyGuard —
-/// ack after the outcome, dead letters through the queue's dead-letter exchange, delayed requeue
-/// through a TTL queue, prefetch, reconnection. docs/consuming.md has the table.
+/// ack after the outcome, dead letters (with their reason) to the queue's dead-letter exchange,
+/// delayed requeue through a TTL queue, prefetch, reconnection; an idem::Source for idem::consume.
+/// docs/consuming.md has the table.
 
+#include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stop_token>
 #include <string>
+#include <string_view>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "idem/core/error.hpp"
 #include "idem/core/outcome.hpp"
 #include "idem/core/record.hpp"
 #include "idem/detail/consume_loop.hpp"
+#include "idem/guard/consume.hpp"
 #include "idem/guard/verdict.hpp"
 
 namespace idem {
@@ -45,6 +53,12 @@ struct RabbitConsumerOptions {
   bool verify_hostname = true;
   std::string queue;               ///< the queue to consume (required)
   std::uint16_t prefetch = 50;     ///< unacked deliveries in flight (basic.qos), 1..65535
+  /// poll() (idem::Source): the most deliveries one batch takes, 1..prefetch; 0 (default):
+  /// min(32, prefetch).
+  std::size_t batch = 0;
+  /// poll(): how long it waits for the first delivery of a batch (the rest are those already
+  /// received, never a longer wait); > 0.
+  millis poll_wait{500};
   /// Declare the topology at construction: `queue` (durable) whose dead-letter exchange
   /// `<queue>.dlx` routes to `<queue>.dlq`, and the delay queue `<queue>.delay` whose expired
   /// messages go back to `queue`. Off when your deployment declares them (same names expected).
@@ -56,6 +70,16 @@ struct RabbitConsumerOptions {
   int heartbeat_s = 30;       ///< AMQP heartbeat: a dead peer is noticed within about twice this
 };
 
+namespace detail {
+struct RabbitOriginal;  // the properties as received (consumer.cpp): what settle()'s copies keep
+}
+
+/// The header a delayed requeue's copy carries: the delivery number (1 = the first) the copy's
+/// first delivery is, so that RabbitConsumer::delivery(d).attempt counts requeues.
+inline constexpr std::string_view rabbit_attempt_header = "idem-attempt";
+/// The header a dead letter carries: why it was dead-lettered (idem::Verdict::reason).
+inline constexpr std::string_view rabbit_reason_header = "idem-reason";
+
 /// One delivery: what the handler needs, and what settle() needs to answer it.
 struct RabbitDelivery {
   std::uint64_t tag = 0;       ///< the delivery tag (of the connection it came on)
@@ -64,12 +88,32 @@ struct RabbitDelivery {
   std::string message_id;      ///< the AMQP message-id property: the idempotency key ("" when absent)
   std::string content_type;    ///< the content-type property
   std::string body;            ///< the body, binary-safe
+  /// The AMQP `headers` table, in order, each value as text: strings and byte arrays as they are,
+  /// integers as decimal text, booleans "1" / "0", floats and decimals as decimal text, a
+  /// timestamp as its seconds since the epoch, void as "". Arrays and nested tables (the broker's
+  /// `x-death`) are left out here; settle()'s copies keep them as they were.
+  std::vector<std::pair<std::string, std::string>> headers;
+  /// The AMQP `timestamp` property (whole seconds), when the publisher set it.
+  std::optional<std::chrono::system_clock::time_point> timestamp;
+  /// Every property and the headers as received, for the copies settle() publishes (a delayed
+  /// requeue, a dead letter). Opaque; null in a delivery you built yourself (the copies then keep
+  /// message_id, content_type and headers).
+  std::shared_ptr<const detail::RabbitOriginal> original;
+
+  /// The last value of header `name`, or null.
+  [[nodiscard]] const std::string* header(std::string_view name) const noexcept {
+    const std::string* found = nullptr;
+    for (const auto& [k, v] : headers)
+      if (k == name) found = &v;
+    return found;
+  }
 };
 
 /// What to do with one delivery.
 struct RabbitDecision {
   BrokerAction action = BrokerAction::requeue;  ///< ack, requeue (after `delay`), dead_letter
   millis delay{0};                              ///< for requeue: how long until it is delivered again
+  std::string reason;                           ///< for dead_letter: its `idem-reason` header (may be empty)
 };
 
 /// What a RabbitConsumer has done so far.
@@ -77,23 +121,27 @@ struct RabbitConsumerStats {
   std::uint64_t delivered = 0;      ///< deliveries received
   std::uint64_t redelivered = 0;    ///< of them, marked redelivered by the broker
   std::uint64_t acked = 0;          ///< acked
-  std::uint64_t dead_lettered = 0;  ///< rejected to the dead-letter exchange
+  std::uint64_t dead_lettered = 0;  ///< published to the dead-letter exchange (and acked)
   std::uint64_t requeued = 0;       ///< requeued (delayed through the delay queue, or nacked)
   std::uint64_t reconnects = 0;     ///< connections opened again after one was lost
+  std::uint64_t released = 0;       ///< deliveries released unsettled (release()) and nacked back by the next poll()
 };
 
 /**
- * A consumer of one RabbitMQ queue for a handler behind IdempotencyGuard (rabbitmq-c). `next()`
- * waits for a delivery; `settle()` answers it: ack, dead_letter (basic.reject without requeue: the
- * queue's dead-letter exchange moves it to the dead-letter queue, with the broker's x-death
- * header), or requeue after a delay — AMQP has no delayed nack, so a copy goes to the TTL queue
- * `<queue>.delay` with that expiration and the original is acked (a crash between the two leaves
- * two copies, which the guard answers as a duplicate; with a zero delay it is a plain nack).
- * Nothing is acked before its outcome is known. A lost connection or channel is thrown as a
- * retryable connection_error; the next call reconnects, and the broker redelivers whatever was
- * unacked (the guard answers duplicates). A refused login or TLS certificate is a connection_error
- * that is not retryable. `run()` is the loop. One thread per consumer; stats() may be read from
- * any thread.
+ * A consumer of one RabbitMQ queue for a handler behind IdempotencyGuard (rabbitmq-c), and an
+ * idem::Source (`poll()`, `delivery()`, `settle(verdicts)`, `release()`) for idem::consume.
+ * `next()` waits for a delivery; `settle()` answers it: ack; dead_letter — a copy (every property,
+ * the headers, and `idem-reason` and `idem-queue`) published to the dead-letter exchange
+ * `<queue>.dlx` with the delivery's routing key, then the original acked on the same channel
+ * (basic.reject could not say why); or requeue after a delay — AMQP has no delayed nack, so a copy
+ * (the same properties and headers, `idem-attempt` counting) goes to the TTL queue `<queue>.delay`
+ * with that expiration and the original is acked. A crash between a copy and its ack leaves two
+ * copies (the guard answers the second as a duplicate; a dead letter may be in the dead-letter
+ * queue twice); with a zero delay a requeue is a plain nack. Nothing is acked before its outcome
+ * is known. A lost connection or channel is thrown as a retryable connection_error; the next call
+ * reconnects, and the broker redelivers whatever was unacked (the guard answers duplicates). A
+ * refused login or TLS certificate is a connection_error that is not retryable. `run()` is the
+ * loop. One thread per consumer; stats() may be read from any thread.
  */
 class RabbitConsumer {
 public:
@@ -103,17 +151,38 @@ public:
   RabbitConsumer(const RabbitConsumer&) = delete;            ///< Owns a connection.
   RabbitConsumer& operator=(const RabbitConsumer&) = delete;  ///< Owns a connection.
 
+  /// The deliveries poll() returns (idem::Source).
+  using message_type = RabbitDelivery;
+
   /// The next delivery, or nullopt after `wait` without one.
   std::optional<RabbitDelivery> next(millis wait);
   /// Answers `d` (nothing when its connection has closed meanwhile: the broker requeued it).
   void settle(const RabbitDelivery& d, const RabbitDecision& decision);
 
+  /// The next batch (idem::Source): waits up to `poll_wait` for a first delivery, then takes those
+  /// already received, up to `batch`; empty after poll_wait without one. A batch left unsettled
+  /// (or released) is nacked back to the queue first, when its connection is still open.
+  std::vector<RabbitDelivery> poll();
+  /// `d` as idem::consume sees it: id = the delivery tag, key = message_id, payload = body, the
+  /// headers and timestamp; attempt = the `idem-attempt` header of a delayed requeue's copy (else
+  /// 1), plus the quorum queue's `x-delivery-count` when present, else plus 1 when redelivered.
+  static Delivery delivery(const RabbitDelivery& d);
+  /// Applies verdicts[i] to the polled batch's delivery i (idem::Source): ack, requeue after
+  /// `delay`, dead letter with `reason`. A count that is not the batch's is a usage_error; a
+  /// connection error is thrown after the batch is dropped (the broker redelivers what was not
+  /// answered).
+  void settle(std::span<const Verdict> verdicts);
+  /// Drops the polled batch unsettled (idem::Source): its deliveries stay unacked until the next
+  /// poll() nacks them back to the queue (requeue), or until the connection closes; either way
+  /// the broker redelivers them, and nothing is held past the next poll().
+  void release() noexcept;
+
   /// The decision for a guard's outcome (idem::verdict under options().retry): its broker action;
   /// a requeue waits its retry_after, jittered, at most retry.cap.
   template <class Outcome>
   RabbitDecision decide(const Outcome& out) const {
-    const Verdict v = verdict(out, options().retry);
-    return {v.action, v.delay};
+    Verdict v = verdict(out, options().retry);
+    return {v.action, v.delay, std::move(v.reason)};
   }
   /// The decision for a run that threw (idem::verdict under options().retry): a store error waits a
   /// jittered backoff, the handler's exception a jittered retry.base (the guard's failure policy
