@@ -99,6 +99,13 @@ TEST_CASE("GuardedProcessor: a dead letter is written once, and again after a fa
   CHECK(r.written);
   CHECK(r.earlier);
   CHECK(writes == 2);
+  // Another consumer holds the letter's key right now: tried again after the policy's wait.
+  REQUIRE(store.acquire("dlq:k2", {.lease = 10s, .retention = 1h, .token = 9}).status == idem::AcquireStatus::acquired);
+  r = p.dead_letter("k2", [&] { ++writes; });
+  CHECK_FALSE(r.written);
+  CHECK(r.error == "being written by another consumer");
+  CHECK(r.retry_after <= idem::kafka::GuardedOptions{}.retry.cap);
+  CHECK(writes == 2);
 }
 
 TEST_CASE("GuardedProcessor refuses a guard that would retry a poison message for ever", "[kafka][processor]") {

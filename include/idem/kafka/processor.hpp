@@ -190,17 +190,22 @@ class GuardedProcessor final : public Processor {
   DeadLetterResult dead_letter(const std::string& key, const std::function<void()>& write) override {
     try {
       const auto out = dlq_guard_.run("dlq:" + key, write);
-      switch (out.action()) {
+      const idem::Verdict v = idem::verdict(out, retry_);
+      switch (v.action) {
         case BrokerAction::ack:
           return {.written = true, .earlier = out.status == Status::duplicate};
         case BrokerAction::requeue:  // another consumer is writing it right now
-          return {.retry_after = out.retry_after, .error = "being written by another consumer"};
+          return {.retry_after = v.delay, .error = "being written by another consumer"};
         case BrokerAction::dead_letter:
           break;
       }
-      // The letter's own key failed for good: no retry will write it soon.
-      return {.retry_after = detail::jittered(retry_.cap),
-              .error = fmt::format("dead-letter key: {}", to_string(out.status))};
+      // The letter's own key failed for good: to the policy, a store error no retry helps soon.
+      const idem::Verdict stuck = idem::verdict(
+          std::make_exception_ptr(store_error(
+              fmt::format("idem: the dead letter's own key failed for good ({}): {}", to_string(out.status), v.reason),
+              "", false)),
+          retry_);
+      return {.retry_after = stuck.delay, .error = stuck.reason};
     } catch (const std::exception& e) {
       // The write failed (its key was released: see dead_letter_options) or the store did.
       return {.retry_after = verdict(std::current_exception(), retry_).delay, .error = e.what()};
