@@ -9,6 +9,7 @@
 
 #include "idem/http/endpoint.hpp"
 #include "idem/idem.hpp"
+#include "core/test_stores.hpp"
 
 using idem::http::parse_idempotency_key;
 using idem::http::Request;
@@ -193,6 +194,49 @@ TEST_CASE("http endpoint: a request while the first runs answers 409 with Retry-
   const auto retry_after = busy.header("Retry-After");
   CHECK((retry_after == "2" || retry_after == "3"));
   CHECK(f.answer(post("\"busy\"")).body == "done");
+}
+
+// Every guard answer and three kinds of exception, and the status code each becomes: the
+// endpoint maps idem's outcome (and idem::verdict's Retry-After) and decides nothing else.
+TEST_CASE("http endpoint: every guard answer and exception kind has its status code") {
+  Fixture f;
+  // executed, duplicate (replayed), mismatch: 201, 201 + Idempotent-Replayed, 422.
+  CHECK(f.answer(post("\"a\"")).status == 201);
+  CHECK(f.answer(post("\"a\"")).header("Idempotent-Replayed") == "true");
+  CHECK(f.answer(post("\"a\"", "{\"amount\":2}")).status == 422);
+  // lease_lost: the handler outlived its lease and another request took the key over.
+  const Response lost = f.endpoint.handle(post("\"ll\""), [&](const Request&) {
+    f.clock->advance(idem::millis{3'000});
+    const auto taken = f.store.acquire(f.endpoint.options().key_prefix + "ll",
+                                       {.lease = idem::millis{2'000}, .retention = idem::millis{10'000}, .token = 99});
+    CHECK(taken.status == idem::AcquireStatus::acquired);
+    return Response{201, {}, "late"};
+  });
+  CHECK(lost.status == 201);  // lease mode: the effect happened, so its caller gets its answer (not stored)
+  // The handler's exception: 500, and the key is released for the client's retry.
+  const auto boom = [](const Request&) -> Response { throw std::runtime_error("card declined by the network"); };
+  CHECK(f.endpoint.handle(post("\"ex\""), boom).status == 500);
+  CHECK(f.answer(post("\"ex\"")).status == 201);
+  // previously_failed (a permanent failure another writer recorded): 500, not run again.
+  const std::string pf = f.endpoint.options().key_prefix + "pf";
+  const auto claim = f.store.acquire(pf, {.lease = idem::millis{2'000}, .retention = idem::millis{10'000}, .token = 7});
+  REQUIRE(f.store.fail(pf, claim.holder, {.error = "declined", .permanent = true, .retention = idem::millis{10'000}}) ==
+          idem::WriteStatus::ok);
+  int ran = 0;
+  CHECK(f.endpoint.handle(post("\"pf\""), [&](const Request&) { ++ran; return Response{201, {}, ""}; }).status == 500);
+  CHECK(ran == 0);
+  // A store error a retry can help: 503 with the verdict's Retry-After; one it cannot: 500.
+  idem::test::FaultyStore faulty{f.store};
+  idem::IdempotencyGuard<idem::test::FaultyStore> fg{faulty};
+  idem::http::Endpoint<idem::test::FaultyStore> down{fg, {.retry = {.base = idem::millis{2'000}, .cap = idem::millis{4'000}}}};
+  faulty.fail_acquire = true;
+  const Response unavailable = down.handle(post("\"sd\""), [&](const Request&) { ++ran; return Response{201, {}, ""}; });
+  CHECK(unavailable.status == 503);
+  const auto retry_after = unavailable.header("Retry-After");
+  CHECK((retry_after == "1" || retry_after == "2"));  // whole seconds, at least 1, at most the doubled base
+  CHECK(ran == 0);
+  // A bad key: 400, nothing stored.
+  CHECK(f.answer(post("no-quotes")).status == 400);
 }
 
 TEST_CASE("http endpoint: a response over the stored limit reaches its caller, retries get a problem") {
