@@ -192,7 +192,10 @@ TEST_CASE("NatsConsumer: a poison message is dead-lettered once, with why and wh
   CHECK(header("Idem-Subject") == subject);
   CHECK(header("Idem-Stream") == stream);
   CHECK(header("Idem-Stream-Sequence") == "1");
-  CHECK(header("Idem-Delivered") == "3");
+  // Two failing runs, then the dead letter; a redelivery that came back inside the failure's
+  // 50 ms backoff (a jittered requeue wait can be that short) answered in_flight and was
+  // delivered once more without running: at least 3 deliveries, and still 2 runs.
+  CHECK(std::stoi(header("Idem-Delivered")) >= 3);
   natsMsg_Destroy(letter);
 }
 
