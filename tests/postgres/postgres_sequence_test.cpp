@@ -283,10 +283,12 @@ TEST_CASE("postgres sequence: SequenceGate::run_batch advances inside each item'
   const std::string a = uid("a"), b = uid("b");
   REQUIRE(f.set_balance(a + "/2", a, 2, 200).status == Status::executed);
   // a: 1 stale, 3 runs; b: 1 runs, then 3 throws (its write and advance roll back together).
-  const std::vector<idem::SequencedEvent> events{{.key = a + "/1", .entity = a, .seq = 1},
-                                                 {.key = a + "/3", .entity = a, .seq = 3},
-                                                 {.key = b + "/1", .entity = b, .seq = 1},
-                                                 {.key = b + "/3", .entity = b, .seq = 3}};
+  // SequencedEvent holds views: the keys live here for the whole batch.
+  const std::vector<std::string> keys{a + "/1", a + "/3", b + "/1", b + "/3"};
+  const std::vector<idem::SequencedEvent> events{{.key = keys[0], .entity = a, .seq = 1},
+                                                 {.key = keys[1], .entity = a, .seq = 3},
+                                                 {.key = keys[2], .entity = b, .seq = 1},
+                                                 {.key = keys[3], .entity = b, .seq = 3}};
   auto r = gate.run_batch(f.guard, events, [&](const idem::SequencedEvent& ev, const auto& ctx) -> long {
     const long value = static_cast<long>(ev.seq) * 100;
     ctx.tx->exec("INSERT INTO idem_test." + f.accounts +
