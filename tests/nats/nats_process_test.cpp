@@ -83,8 +83,17 @@ TEST_CASE("NatsConsumer: a consumer process SIGKILLed with unacked messages: red
   CHECK(ran.size() == 6);
   for (const auto& [k, n] : ran) CHECK(n == 1);
   std::lock_guard lock(mu);
-  for (const char* k : {"k0", "k1", "k2"}) CHECK(outcomes[k] == std::vector{idem::Status::duplicate});
-  for (const char* k : {"k4", "k5"}) CHECK(outcomes[k] == std::vector{idem::Status::executed});
+  for (const char* k : {"k0", "k1", "k2"}) {
+    REQUIRE(!outcomes[k].empty());
+    for (const auto s : outcomes[k]) CHECK(s == idem::Status::duplicate);
+  }
+  // k4 and k5 run once; a copy JetStream redelivered because AckWait (1 s) lapsed before a slow
+  // (sanitized) batch acked it answers duplicate, which is the guarantee, not a failure of it.
+  for (const char* k : {"k4", "k5"}) {
+    REQUIRE(!outcomes[k].empty());
+    CHECK(outcomes[k].front() == idem::Status::executed);
+    for (std::size_t i = 1; i < outcomes[k].size(); ++i) CHECK(outcomes[k][i] == idem::Status::duplicate);
+  }
   REQUIRE(!outcomes["hang"].empty());  // in_flight until the dead worker's lease lapsed, then taken over
   CHECK(outcomes["hang"].back() == idem::Status::executed);
 }
