@@ -8,18 +8,21 @@
 //   bool alive(connection&) noexcept;              // may an idle connection be reused? (no blocking)
 //   bool reusable(connection&) noexcept;           // may a returned healthy one go back to the pool?
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
+#include "idem/core/observer.hpp"
 #include "idem/core/pool_options.hpp"
 
 namespace idem::detail {
@@ -45,18 +48,38 @@ public:
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
+  /// Reports every checkout and return to `observer` (Observer::on_pool) as pool `kind`; both
+  /// outlive the pool. Set once, before the pool is shared between threads.
+  void observe(Observer* observer, std::string_view kind) noexcept {
+    observer_ = observer;
+    kind_ = kind;
+  }
+
   /// An idle connection that is still alive, else a new one (up to size), else waits up to `wait`.
   connection checkout() {
+    const auto started = std::chrono::steady_clock::now();
     std::unique_lock lock(mu_);
-    const auto deadline = std::chrono::steady_clock::now() + options_.wait;
+    const auto deadline = started + options_.wait;
+    bool waited = false;
     for (;;) {
-      if (auto c = take_idle(lock)) return std::move(*c);
-      if (open_ < options_.size) return open_new(lock);
-      if (!cv_.wait_until(lock, deadline, [&] { return !idle_.empty() || open_ < options_.size; }))
+      if (auto c = take_idle(lock)) {
+        report(waited ? std::chrono::steady_clock::now() - started : std::chrono::nanoseconds{}, false);
+        return std::move(*c);
+      }
+      if (open_ < options_.size) {
+        auto c = open_new(lock);
+        report(waited ? std::chrono::steady_clock::now() - started : std::chrono::nanoseconds{}, false);
+        return c;
+      }
+      waited = true;
+      if (!cv_.wait_until(lock, deadline, [&] { return !idle_.empty() || open_ < options_.size; })) {
+        lock.unlock();
+        report(std::chrono::steady_clock::now() - started, true);
         throw timeout_error(fmt::format("idem: all {} connections to {} stayed busy for {} ms; raise pool.size to "
                                         "match the calling threads (or pool.wait)",
                                         options_.size, what_, options_.wait.count()),
                             "POOL", true);
+      }
     }
   }
 
@@ -79,8 +102,10 @@ public:
         idle_.push_back(std::move(c));
       else
         --open_;
+      counted();
     }
     cv_.notify_one();
+    report(std::chrono::nanoseconds{}, false);
   }
 
   /// A checked-out connection returned on destruction; healthy only once the caller says so.
@@ -110,11 +135,13 @@ private:
     while (!idle_.empty()) {
       connection c = std::move(idle_.back());
       idle_.pop_back();
+      counted();
       lock.unlock();
       if (traits_.alive(c)) return c;
       c = connection{};
       lock.lock();
       --open_;
+      counted();
     }
     return std::nullopt;
   }
@@ -123,15 +150,31 @@ private:
   // caller opens past size meanwhile (the lock released while connecting).
   connection open_new(std::unique_lock<std::mutex>& lock) {
     ++open_;
+    counted();
     lock.unlock();
     try {
       return traits_.connect();
     } catch (...) {
       lock.lock();
       --open_;
+      counted();
       cv_.notify_one();
       throw;
     }
+  }
+
+  // The counts are read without the lock: a report is a sample, and a racing one is as good.
+  void report(std::chrono::nanoseconds waited, bool exhausted) noexcept {
+    if (!observer_) return;
+    const std::size_t open = open_atomic();
+    const std::size_t idle = idle_count_.load(std::memory_order_relaxed);
+    observer_->on_pool(PoolEvent{kind_, open > idle ? open - idle : 0, open, options_.size, waited, exhausted});
+  }
+  std::size_t open_atomic() const noexcept { return open_count_.load(std::memory_order_relaxed); }
+  // `mu_` held: publishes the counts report() reads.
+  void counted() noexcept {
+    open_count_.store(open_, std::memory_order_relaxed);
+    idle_count_.store(idle_.size(), std::memory_order_relaxed);
   }
 
   PoolOptions options_;
@@ -141,6 +184,9 @@ private:
   std::condition_variable cv_;
   std::vector<connection> idle_;
   std::size_t open_ = 0;
+  Observer* observer_ = nullptr;
+  std::string_view kind_;
+  std::atomic<std::size_t> open_count_{0}, idle_count_{0};  // open_ and idle_.size() for report()
 };
 
 }  // namespace idem::detail

@@ -464,6 +464,11 @@ void OutboxRelay::set_observer(std::function<void(const OutboxRelayEvent&)> obse
   impl_->observer = std::move(observer);
 }
 
+void OutboxRelay::set_observer(std::shared_ptr<Observer> observer) {
+  if (!observer) return set_observer(std::function<void(const OutboxRelayEvent&)>{});
+  set_observer([o = std::move(observer)](const OutboxRelayEvent& e) { o->on_relay(e); });
+}
+
 const OutboxRelayOptions& OutboxRelay::options() const noexcept { return impl_->opt; }
 
 }  // namespace idem

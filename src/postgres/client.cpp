@@ -123,6 +123,7 @@ ClientImpl::ClientImpl(PostgresOptions options)
     : opt_(checked(std::move(options))),
       pool_(opt_.pool, ConnectionTraits{opt_.conninfo, opt_.statement_timeout, opt_.transaction_pooler}, "PostgreSQL") {
   opt_.observer = WarningRelay::wrap(std::move(opt_.observer));
+  pool_.observe(opt_.observer.get(), "postgres");
   check_durability();
 }
 

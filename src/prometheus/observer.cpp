@@ -9,10 +9,12 @@
 #include <prometheus/counter.h>
 #include <prometheus/exposer.h>
 #include <prometheus/family.h>
+#include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
 #include "idem/core/error.hpp"
+#include "idem/core/version.hpp"
 
 namespace idem {
 
@@ -26,6 +28,18 @@ constexpr std::array<std::string_view, 11> error_types{
     "corrupt_record_error", "outcome_unknown_error", "durability_error", "capacity_error",
     "timeout_error",        "connection_error",      "store_error",      "result_not_stored_error",
     "codec_error",          "usage_error",           "other"};
+
+// The guard's store calls (StoreCallEvent::op); another name is counted as "other".
+constexpr std::array<std::string_view, 8> store_ops{"acquire",       "complete",    "fail",  "begin", "commit",
+                                                     "batch_acquire", "batch_write", "other"};
+constexpr std::array<std::string_view, 2> pool_kinds{"redis", "postgres"};
+
+template <std::size_t N>
+std::size_t index_of(const std::array<std::string_view, N>& names, std::string_view name) {
+  for (std::size_t i = 0; i + 1 < N; ++i)
+    if (names[i] == name) return i;
+  return N - 1;
+}
 
 std::vector<double> or_default(std::vector<double> b, std::vector<double> dflt) { return b.empty() ? dflt : b; }
 
@@ -61,6 +75,24 @@ struct PrometheusObserver::Impl {
   prometheus::Counter* handler_errors = nullptr;
   prometheus::Counter* warnings = nullptr;
   prometheus::Histogram* batch_size = nullptr;
+  std::array<prometheus::Histogram*, store_ops.size()> call_latency{};
+  std::array<prometheus::Counter*, store_ops.size()> call_failures{};
+  struct PoolMetrics {
+    prometheus::Gauge* in_use = nullptr;
+    prometheus::Gauge* open = nullptr;
+    prometheus::Gauge* size = nullptr;
+    prometheus::Histogram* wait = nullptr;
+    prometheus::Counter* exhausted = nullptr;
+  };
+  std::array<PoolMetrics, pool_kinds.size()> pools{};
+  prometheus::Counter* relay_published = nullptr;
+  prometheus::Counter* relay_batches = nullptr;
+  prometheus::Counter* relay_publish_failures = nullptr;
+  prometheus::Counter* relay_errors = nullptr;
+  prometheus::Counter* relay_purged = nullptr;
+  prometheus::Family<prometheus::Gauge>* consumer_pending = nullptr;
+  prometheus::Family<prometheus::Gauge>* consumer_held = nullptr;
+  prometheus::Family<prometheus::Counter>* consumer_rebalances = nullptr;
 
   Impl(std::shared_ptr<prometheus::Registry> r, const PrometheusOptions& o) : registry(std::move(r)) {
     if (!registry) throw std::invalid_argument("idem: PrometheusObserver needs a registry");
@@ -105,6 +137,86 @@ struct PrometheusObserver::Impl {
                       .Labels(store)
                       .Register(*registry)
                       .Add({}, or_default(o.batch_buckets, {1, 2, 5, 10, 20, 50, 100, 200, 500, 1000}));
+
+    auto& call_family = prometheus::BuildHistogram()
+                            .Name("idem_store_call_duration_seconds")
+                            .Help("Time the store took to answer one guard call, by call (acquire, complete, batch_acquire...)")
+                            .Labels(store)
+                            .Register(*registry);
+    auto& call_failure_family = prometheus::BuildCounter()
+                                    .Name("idem_store_call_failures_total")
+                                    .Help("Guard store calls that threw, by call (idem_store_errors_total says of what type)")
+                                    .Labels(store)
+                                    .Register(*registry);
+    const auto call_buckets =
+        or_default(o.store_call_buckets, {0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5});
+    for (std::size_t i = 0; i < store_ops.size(); ++i) {
+      call_latency[i] = &call_family.Add({{"op", std::string(store_ops[i])}}, call_buckets);
+      call_failures[i] = &call_failure_family.Add({{"op", std::string(store_ops[i])}});
+    }
+
+    auto& in_use_family = prometheus::BuildGauge()
+                              .Name("idem_pool_connections_in_use")
+                              .Help("Store connections checked out, at the pool's last checkout or return")
+                              .Labels(store)
+                              .Register(*registry);
+    auto& open_family = prometheus::BuildGauge()
+                            .Name("idem_pool_connections_open")
+                            .Help("Store connections open (in use and idle)")
+                            .Labels(store)
+                            .Register(*registry);
+    auto& size_family = prometheus::BuildGauge()
+                            .Name("idem_pool_connections_max")
+                            .Help("The pool's size (PoolOptions::size)")
+                            .Labels(store)
+                            .Register(*registry);
+    auto& wait_family = prometheus::BuildHistogram()
+                            .Name("idem_pool_wait_seconds")
+                            .Help("Checkouts that found every connection busy: how long they waited")
+                            .Labels(store)
+                            .Register(*registry);
+    auto& exhausted_family = prometheus::BuildCounter()
+                                 .Name("idem_pool_exhausted_total")
+                                 .Help("Checkouts that waited pool.wait and gave up (timeout_error POOL)")
+                                 .Labels(store)
+                                 .Register(*registry);
+    for (std::size_t i = 0; i < pool_kinds.size(); ++i) {
+      const prometheus::Labels pool{{"pool", std::string(pool_kinds[i])}};
+      pools[i] = {&in_use_family.Add(pool), &open_family.Add(pool), &size_family.Add(pool),
+                  &wait_family.Add(pool, prometheus::Histogram::BucketBoundaries{0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5}),
+                  &exhausted_family.Add(pool)};
+    }
+
+    relay_published = counter("idem_outbox_relay_published_total", "Outbox rows published and marked sent");
+    relay_batches = counter("idem_outbox_relay_batches_total", "Outbox batches published");
+    relay_publish_failures =
+        counter("idem_outbox_relay_publish_failures_total", "Outbox batches the publisher refused (their rows back off)");
+    relay_errors = counter("idem_outbox_relay_errors_total", "Outbox claims or marks that failed on the database (retried)");
+    relay_purged = counter("idem_outbox_relay_purged_total", "Sent outbox rows deleted after the retention");
+
+    consumer_pending = &prometheus::BuildGauge()
+                            .Name("idem_consumer_pending")
+                            .Help("Messages delivered to this consumer and not yet settled, per partition or queue")
+                            .Labels(store)
+                            .Register(*registry);
+    consumer_held = &prometheus::BuildGauge()
+                         .Name("idem_consumer_held")
+                         .Help("Settled messages not yet committable behind an unsettled earlier one, per partition")
+                         .Labels(store)
+                         .Register(*registry);
+    consumer_rebalances = &prometheus::BuildCounter()
+                               .Name("idem_consumer_rebalances_total")
+                               .Help("Assignments of a consumer source that changed (a rebalance)")
+                               .Labels(store)
+                               .Register(*registry);
+
+    prometheus::BuildGauge()
+        .Name("idem_build_info")
+        .Help("idem's version (always 1)")
+        .Labels(store)
+        .Register(*registry)
+        .Add({{"version", std::string(idem::version_string)}, {"program", o.program}})
+        .Set(1);
   }
 };
 
@@ -152,6 +264,52 @@ void PrometheusObserver::on_warning(std::string_view) noexcept { impl_->warnings
 void PrometheusObserver::on_lease_extended(std::string_view, std::uint64_t) noexcept { impl_->extensions->Increment(); }
 void PrometheusObserver::on_batch(std::size_t size) noexcept {
   impl_->batch_size->Observe(static_cast<double>(size));
+}
+
+void PrometheusObserver::on_store_call(const StoreCallEvent& e) noexcept {
+  const std::size_t i = index_of(store_ops, e.op);
+  impl_->call_latency[i]->Observe(std::chrono::duration<double>(e.latency).count());
+  if (!e.ok) impl_->call_failures[i]->Increment();
+}
+
+void PrometheusObserver::on_pool(const PoolEvent& e) noexcept {
+  std::size_t i = 0;
+  while (i < pool_kinds.size() && pool_kinds[i] != e.pool) ++i;
+  if (i == pool_kinds.size()) return;  // a pool idem does not know of: no series for it
+  const auto& p = impl_->pools[i];
+  p.in_use->Set(static_cast<double>(e.in_use));
+  p.open->Set(static_cast<double>(e.open));
+  p.size->Set(static_cast<double>(e.size));
+  if (e.wait.count() > 0) p.wait->Observe(std::chrono::duration<double>(e.wait).count());
+  if (e.exhausted) p.exhausted->Increment();
+}
+
+void PrometheusObserver::on_relay(const OutboxRelayEvent& e) noexcept {
+  switch (e.kind) {
+    case OutboxRelayEvent::Kind::published:
+      impl_->relay_published->Increment(static_cast<double>(e.rows));
+      impl_->relay_batches->Increment();
+      break;
+    case OutboxRelayEvent::Kind::publish_failed: impl_->relay_publish_failures->Increment(); break;
+    case OutboxRelayEvent::Kind::error: impl_->relay_errors->Increment(); break;
+    case OutboxRelayEvent::Kind::purged: impl_->relay_purged->Increment(static_cast<double>(e.rows)); break;
+    case OutboxRelayEvent::Kind::warning: impl_->warnings->Increment(); break;
+  }
+}
+
+void PrometheusObserver::on_source(const SourceEvent& e) noexcept {
+  try {
+    // Family::Add finds the series of these labels (creating it once): a lookup under the
+    // family's lock, once per partition per batch.
+    const prometheus::Labels labels{{"source", std::string(e.source)}, {"partition", std::string(e.partition)}};
+    impl_->consumer_pending->Add(labels).Set(static_cast<double>(e.pending));
+    impl_->consumer_held->Add(labels).Set(static_cast<double>(e.held));
+    // The counter exists from a source's first report, at 0, so increase() sees its first rebalance.
+    auto& rebalances = impl_->consumer_rebalances->Add({{"source", std::string(e.source)}});
+    if (e.rebalanced) rebalances.Increment();
+  } catch (...) {
+    // Out of memory: this report is lost, the next one sets the gauges.
+  }
 }
 
 }  // namespace idem

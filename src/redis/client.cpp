@@ -56,6 +56,7 @@ Client::Client(RedisOptions o)
       sentinels_(sentinel_endpoints(opt_)),
       rediscover_(!sentinels_.empty()),
       pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
+  pool_.observe(opt_.observer.get(), "redis");
   if (opt_.min_replica_acks > 0) {
     const Request w = Command().arg("WAIT").arg(opt_.min_replica_acks).arg(opt_.replica_ack_timeout.count()).format();
     wait_.assign(w.view());
@@ -98,6 +99,7 @@ Client::Client(RedisOptions o, FactoryOnly)
       sentinels_(sentinel_endpoints(opt_)),
       rediscover_(!sentinels_.empty()),
       pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
+  pool_.observe(opt_.observer.get(), "redis");
   if (!opt_.cluster_nodes.empty())
     throw invalid_options_error("idem: this connection speaks to one server: redis://, rediss://, unix:// or "
                                 "redis-sentinel://, not redis-cluster://");

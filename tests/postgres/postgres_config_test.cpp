@@ -2,10 +2,15 @@
 // results it cannot take, and the upgrade of a version-1 table to schema version 2.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
@@ -158,4 +163,54 @@ TEST_CASE("postgres config: a server whose commits no standby confirms is report
   down.client.conninfo = "host=127.0.0.1 port=1 user=postgres dbname=postgres";
   idem::PostgresStore unreachable(down.client, down.store);
   CHECK_THROWS_AS(unreachable.acquire(pgtest::key("x"), pgtest::ap(1)), idem::connection_error);
+}
+
+namespace {
+// What the pool and the guard report, copied out of the events (their views die with the call).
+struct PoolRecorder : idem::Observer {
+  std::mutex mu;
+  std::size_t checkouts_that_waited = 0, events = 0, max_in_use = 0, size = 0;
+  std::map<std::string, std::size_t> calls;
+  void on_pool(const idem::PoolEvent& e) noexcept override {
+    std::lock_guard lock(mu);
+    if (e.pool != "postgres") return;
+    ++events;
+    size = e.size;
+    max_in_use = std::max(max_in_use, e.in_use);
+    if (e.wait >= 100ms) ++checkouts_that_waited;
+  }
+  void on_store_call(const idem::StoreCallEvent& e) noexcept override {
+    std::lock_guard lock(mu);
+    ++calls[std::string(e.op)];
+  }
+};
+}  // namespace
+
+TEST_CASE("postgres config: the pool reports its use and a checkout's wait to the guard's observer", "[postgres]") {
+  // Transactional mode holds the session for the handler's whole run: with a pool of one, a second
+  // run's begin waits for the first handler to finish, and that wait is what the observer hears.
+  auto o = pgtest::options(idem::PostgresMode::transactional);
+  o.client.pool.size = 1;
+  o.client.pool.wait = 5000ms;
+  idem::PostgresStore s(o.client, o.store);
+  auto rec = std::make_shared<PoolRecorder>();
+  idem::IdempotencyGuard guard(s, {.observer = rec});
+  std::atomic<bool> in_handler{false};
+  std::thread first([&] {
+    guard.run(key("first"), [&](const idem::Context&) {
+      in_handler = true;
+      std::this_thread::sleep_for(300ms);
+      return 1;
+    });
+  });
+  while (!in_handler) std::this_thread::sleep_for(5ms);
+  guard.run(key("second"), [](const idem::Context&) { return 2; });
+  first.join();
+  std::lock_guard lock(rec->mu);
+  CHECK(rec->size == 1);
+  CHECK(rec->max_in_use == 1);
+  CHECK(rec->events >= 4);  // two checkouts, two returns
+  CHECK(rec->checkouts_that_waited == 1);
+  CHECK(rec->calls["begin"] == 2);
+  CHECK(rec->calls["commit"] == 2);
 }

@@ -9,14 +9,18 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/core.h>
 
+#include "idem/core/version.hpp"
+#include "idem/guard/consume.hpp"
 #include "idem/guard/guard.hpp"
 #include "idem/memory/memory_store.hpp"
 #include "idem/prometheus/observer.hpp"
@@ -182,4 +186,77 @@ TEST_CASE("PrometheusObserver registers in the application's registry") {
   CHECK(seen["duplicate"] == 1);
   CHECK(idem::store_error_type(idem::timeout_error("t")) == "timeout_error");
   CHECK(idem::store_error_type(std::runtime_error("x")) == "other");
+}
+
+namespace {
+
+// A source of three messages on two "partitions" that counts its backlog, as a Kafka source does.
+struct CountingSource {
+  using message_type = std::string;
+  std::vector<std::string> queue{"m1", "m2", "m3"};
+  std::size_t settled = 0;
+  bool first_report = true;
+  std::vector<std::string> poll() { return std::exchange(queue, {}); }
+  idem::Delivery delivery(const std::string& m) const { return {.id = m, .key = m, .payload = "p"}; }
+  void settle(std::span<const idem::Verdict> v) { settled += v.size(); }
+  void release() {}
+  std::vector<idem::SourceEvent> backlog() {
+    const bool rebalanced = std::exchange(first_report, false);
+    return {{.source = "kafka", .partition = "orders/0", .pending = 3 - settled, .held = 2, .rebalanced = rebalanced},
+            {.source = "kafka", .partition = "orders/1", .pending = 0, .held = 0, .rebalanced = false}};
+  }
+};
+
+}  // namespace
+
+TEST_CASE("PrometheusObserver: store calls by call, a consumer's backlog, an embedded relay, pools, build info") {
+  auto metrics = idem::PrometheusObserver::serve("127.0.0.1:0", {.store = "memory", .program = "payments"});
+  auto counting = std::make_shared<idem::CountingObserver>();
+  // The tee: metrics and a second observer (logs, in a service) hear the same runs.
+  auto tee = std::make_shared<idem::TeeObserver>(std::vector<std::shared_ptr<idem::Observer>>{metrics, counting, nullptr});
+  idem::MemoryStore store;
+  idem::IdempotencyGuard guard{store, {.lease = 60s, .retention = 1h, .observer = tee}};
+  guard.run("a", [] { return 1; });
+  guard.run("b", [] { return 1; });
+  guard.run("a", [] { return 1; });  // duplicate: one acquire, no completion
+  CHECK_THROWS(guard.run("c", []() -> int { throw std::runtime_error("boom"); }));  // acquire + fail
+  CHECK(counting->count(idem::Status::executed) == 2);
+  CHECK(counting->count(idem::Status::duplicate) == 1);
+
+  CountingSource source;
+  auto handler = [](const idem::Delivery&) { return 1; };
+  const auto r = idem::consume_batch(source, guard, handler);
+  CHECK(r.acked == 3);
+
+  tee->on_relay({.kind = idem::OutboxRelayEvent::Kind::published, .rows = 7});
+  tee->on_relay({.kind = idem::OutboxRelayEvent::Kind::published, .rows = 3});
+  tee->on_relay({.kind = idem::OutboxRelayEvent::Kind::publish_failed, .rows = 2, .error = "broker down"});
+  tee->on_pool({.pool = "redis", .in_use = 3, .open = 4, .size = 8, .wait = 20ms, .exhausted = false});
+  tee->on_pool({.pool = "redis", .in_use = 8, .open = 8, .size = 8, .wait = 1s, .exhausted = true});
+  tee->on_pool({.pool = "elsewhere", .in_use = 1, .open = 1, .size = 1, .wait = {}, .exhausted = false});  // no series
+
+  const auto m = samples(scrape(metrics->port()));
+  const std::string s = "store=\"memory\"";
+  CHECK(value(m, "idem_store_call_duration_seconds_count{op=\"acquire\"," + s + "}") == 4);
+  CHECK(value(m, "idem_store_call_duration_seconds_count{op=\"complete\"," + s + "}") == 2);
+  CHECK(value(m, "idem_store_call_duration_seconds_count{op=\"fail\"," + s + "}") == 1);
+  CHECK(value(m, "idem_store_call_failures_total{op=\"acquire\"," + s + "}") == 0);
+  // The batch: one batch_acquire and one batch_write on a store with a batch path, else one call per item.
+  CHECK(value(m, "idem_store_call_duration_seconds_count{op=\"batch_acquire\"," + s + "}") +
+            value(m, "idem_store_call_duration_seconds_count{op=\"acquire\"," + s + "}") >=
+        5);
+  CHECK(value(m, "idem_consumer_pending{partition=\"orders/0\",source=\"kafka\"," + s + "}") == 0);
+  CHECK(value(m, "idem_consumer_held{partition=\"orders/0\",source=\"kafka\"," + s + "}") == 2);
+  CHECK(value(m, "idem_consumer_held{partition=\"orders/1\",source=\"kafka\"," + s + "}") == 0);
+  CHECK(value(m, "idem_consumer_rebalances_total{source=\"kafka\"," + s + "}") == 1);
+  CHECK(value(m, "idem_outbox_relay_published_total{" + s + "}") == 10);
+  CHECK(value(m, "idem_outbox_relay_batches_total{" + s + "}") == 2);
+  CHECK(value(m, "idem_outbox_relay_publish_failures_total{" + s + "}") == 1);
+  CHECK(value(m, "idem_pool_connections_in_use{pool=\"redis\"," + s + "}") == 8);
+  CHECK(value(m, "idem_pool_connections_max{pool=\"redis\"," + s + "}") == 8);
+  CHECK(value(m, "idem_pool_wait_seconds_count{pool=\"redis\"," + s + "}") == 2);
+  CHECK(value(m, "idem_pool_exhausted_total{pool=\"redis\"," + s + "}") == 1);
+  CHECK(value(m, "idem_pool_wait_seconds_count{pool=\"postgres\"," + s + "}") == 0);
+  CHECK(m.count("idem_pool_connections_in_use{pool=\"elsewhere\"," + s + "}") == 0);
+  CHECK(value(m, fmt::format("idem_build_info{{program=\"payments\",{},version=\"{}\"}}", s, idem::version_string)) == 1);
 }

@@ -165,6 +165,9 @@ TEST_CASE("a real Prometheus scraping the observer counts the workload exactly w
   idem::MemoryStore store{{.clock = clock}};
   auto metrics = idem::PrometheusObserver::serve("127.0.0.1:0", {.store = store_label});
   REQUIRE(metrics->port() > 0);
+  // A consumer source's first report, as idem::consume makes after each batch (the Kafka source
+  // counts its backlog): its series exist from the first scrape, as the guard's do.
+  metrics->on_source({.source = "kafka", .partition = "orders/0", .pending = 0, .held = 0, .rebalanced = false});
 
   // ---- the server ----
   PrometheusServer prom(IDEM_PROMETHEUS_SERVER,
@@ -198,6 +201,9 @@ TEST_CASE("a real Prometheus scraping the observer counts the workload exactly w
 
   // ---- the workload: every count below is known ----
   idem::IdempotencyGuard guard{store, {.lease = 60s, .retention = 1h, .observer = metrics}};
+  // A rebalance and a backlog; nothing held, so IdemConsumerPartitionHeld stays quiet (its firing
+  // is promtool's unit test).
+  metrics->on_source({.source = "kafka", .partition = "orders/0", .pending = 2, .held = 0, .rebalanced = true});
   // 6 executed, then 4 duplicates of them.
   for (int i = 0; i < 6; ++i) CHECK(guard.run(fmt::format("o-{}", i), [] { return 1; }).status == idem::Status::executed);
   for (int i = 0; i < 4; ++i) CHECK(guard.run(fmt::format("o-{}", i), [] { return 1; }).status == idem::Status::duplicate);
@@ -335,7 +341,7 @@ TEST_CASE("a real Prometheus scraping the observer counts the workload exactly w
   // come from the relay program's /metrics (their firing is promtool's unit test,
   // docs/operations/idem-alerts.test.yml; a real Prometheus scrapes the relay in relay_program_test).
   const std::set<std::string> quiet{"IdemRunLatencyHigh", "IdemStoreLatencyHigh", "IdemOutboxLag",
-                                    "IdemOutboxPublishFailing"};
+                                    "IdemOutboxPublishFailing", "IdemConsumerPartitionHeld"};
   std::set<std::string> names;
   for (const auto& [name, promql] : rules) names.insert(name);
   std::set<std::string> expected_names = quiet;
@@ -395,7 +401,20 @@ TEST_CASE("a real Prometheus scraping the observer counts the workload exactly w
   CHECK(families == std::set<std::string>{"idem_outcomes_total", "idem_run_duration_seconds", "idem_store_errors_total",
                                           "idem_takeovers_total", "idem_lease_lost_total",
                                           "idem_heartbeat_extensions_total", "idem_batch_size", "idem_cache_hits_total",
-                                          "idem_handler_errors_total", "idem_store_warnings_total"});
+                                          "idem_handler_errors_total", "idem_store_warnings_total",
+                                          "idem_store_call_duration_seconds", "idem_store_call_failures_total",
+                                          "idem_pool_connections_in_use", "idem_pool_connections_open",
+                                          "idem_pool_connections_max", "idem_pool_wait_seconds", "idem_pool_exhausted_total",
+                                          "idem_outbox_relay_published_total", "idem_outbox_relay_batches_total",
+                                          "idem_outbox_relay_publish_failures_total", "idem_outbox_relay_errors_total",
+                                          "idem_outbox_relay_purged_total", "idem_consumer_pending", "idem_consumer_held",
+                                          "idem_consumer_rebalances_total", "idem_build_info"});
+  // Served by the relay program's /metrics only (it reads the outbox table at each scrape): their
+  // panel answers nothing here; relay_program_test has a real Prometheus scrape them.
+  const auto relay_program_only = [](const std::string& expr) {
+    return expr.find("idem_outbox_relay_backlog_rows") != std::string::npos ||
+           expr.find("idem_outbox_relay_oldest_unsent_age_seconds") != std::string::npos;
+  };
   // Exact answers of the panels that count (the dashboard's range: the test's whole run).
   const std::map<std::string, double> counting_panels{
       {"Lease losses", 1},
@@ -412,6 +431,7 @@ TEST_CASE("a real Prometheus scraping the observer counts the workload exactly w
     const std::string promql = expand(q.expr, job, store_label);
     INFO("panel \"" << q.panel << "\": " << promql);
     const auto r = at_t(promql);
+    if (relay_program_only(q.expr)) continue;
     CHECK(!r.empty());  // a wrong metric or label name answers nothing
     if (q.panel == "Outcomes in the time range") {
       std::map<std::string, double> got;

@@ -7,7 +7,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "idem/core/outcome.hpp"
 
@@ -21,6 +25,49 @@ struct OutcomeEvent {
   std::uint32_t attempt;             ///< times acquired
   bool takeover;                     ///< the run took over a lapsed lease
   bool from_cache;                   ///< answered by the in-process cache
+};
+
+/// One store call the guard made (acquire, complete, fail, begin, commit, a batch's), as reported to
+/// Observer::on_store_call: the time the store took to answer, and whether it answered or threw.
+struct StoreCallEvent {
+  std::string_view op;               ///< acquire, complete, fail, begin, commit, batch_acquire, batch_write
+  std::chrono::nanoseconds latency;  ///< from the call to its answer (or its exception)
+  bool ok;                           ///< false: the call threw (on_store_error says what)
+};
+
+/// A connection pool's state after a checkout or a return, as reported to Observer::on_pool.
+struct PoolEvent {
+  std::string_view pool;          ///< which pool: "redis", "postgres"
+  std::size_t in_use;             ///< connections checked out now
+  std::size_t open;               ///< connections open now (in use + idle)
+  std::size_t size;               ///< PoolOptions::size
+  std::chrono::nanoseconds wait;  ///< a checkout: how long it waited for a connection; a return: 0
+  bool exhausted;                 ///< the checkout waited PoolOptions::wait and gave up (timeout_error POOL)
+};
+
+/// One event of the outbox relay (OutboxRelay::set_observer), as reported to Observer::on_relay.
+struct OutboxRelayEvent {
+  /// What happened.
+  enum class Kind : std::uint8_t {
+    published,       ///< a batch of `rows` was published and marked sent
+    publish_failed,  ///< the publisher refused a batch of `rows`; `error` says why; they back off
+    error,           ///< a database error (the loop goes on after poll_interval); `error` says why
+    purged,          ///< `rows` sent rows were deleted
+    warning,         ///< something the operator should know (e.g. polling behind a transaction pooler); `error` says what
+  };
+  Kind kind = Kind::published;  ///< what happened
+  std::size_t rows = 0;         ///< rows concerned
+  std::string error;            ///< publish_failed, error: the message
+};
+
+/// A consumer source's backlog of one partition (Kafka) or queue / stream, reported by
+/// idem::consume after each batch (Observer::on_source) for sources that count it.
+struct SourceEvent {
+  std::string_view source;     ///< the broker: kafka, rabbitmq, nats, redis_streams
+  std::string_view partition;  ///< "topic/3", the queue, the stream
+  std::size_t pending = 0;     ///< delivered to this consumer, not yet settled
+  std::size_t held = 0;        ///< settled but not yet committable behind an unsettled earlier message
+  bool rebalanced = false;     ///< the source's assignment changed since the last report
 };
 
 /// Hooks called by the guard; override what you need. Calls come from the running thread (and the
@@ -42,6 +89,61 @@ public:
   virtual void on_lease_extended(std::string_view /*key*/, std::uint64_t /*fence*/) noexcept {}
   /// run_batch started on `size` items (before any of them is decided).
   virtual void on_batch(std::size_t /*size*/) noexcept {}
+  /// The guard's store call answered or threw (lease and transactional modes, and run_batch).
+  virtual void on_store_call(const StoreCallEvent& /*e*/) noexcept {}
+  /// A store's connection pool after a checkout or a return (RedisStore, PostgresStore).
+  virtual void on_pool(const PoolEvent& /*e*/) noexcept {}
+  /// The outbox relay published, failed, purged or warned (OutboxRelay::set_observer).
+  virtual void on_relay(const OutboxRelayEvent& /*e*/) noexcept {}
+  /// idem::consume's source after a batch: one partition's or queue's backlog (see SourceEvent).
+  virtual void on_source(const SourceEvent& /*e*/) noexcept {}
+};
+
+/// Hands every hook to each of several observers, in order: Prometheus metrics and logs together.
+/// Thread-safe when they are; the list is fixed at construction.
+class TeeObserver final : public Observer {
+public:
+  /// Forwards to every non-null observer of `to`.
+  explicit TeeObserver(std::vector<std::shared_ptr<Observer>> to) : to_(std::move(to)) {
+    std::erase(to_, nullptr);
+  }
+  /// Forwards to each.
+  void on_outcome(const OutcomeEvent& e) noexcept override { each([&](Observer& o) { o.on_outcome(e); }); }
+  /// Forwards to each.
+  void on_store_error(std::string_view key, const std::exception& e) noexcept override {
+    each([&](Observer& o) { o.on_store_error(key, e); });
+  }
+  /// Forwards to each.
+  void on_lease_lost(std::string_view key, std::uint64_t fence) noexcept override {
+    each([&](Observer& o) { o.on_lease_lost(key, fence); });
+  }
+  /// Forwards to each.
+  void on_handler_error(std::string_view key, const std::exception_ptr& e) noexcept override {
+    each([&](Observer& o) { o.on_handler_error(key, e); });
+  }
+  /// Forwards to each.
+  void on_warning(std::string_view message) noexcept override { each([&](Observer& o) { o.on_warning(message); }); }
+  /// Forwards to each.
+  void on_lease_extended(std::string_view key, std::uint64_t fence) noexcept override {
+    each([&](Observer& o) { o.on_lease_extended(key, fence); });
+  }
+  /// Forwards to each.
+  void on_batch(std::size_t size) noexcept override { each([&](Observer& o) { o.on_batch(size); }); }
+  /// Forwards to each.
+  void on_store_call(const StoreCallEvent& e) noexcept override { each([&](Observer& o) { o.on_store_call(e); }); }
+  /// Forwards to each.
+  void on_pool(const PoolEvent& e) noexcept override { each([&](Observer& o) { o.on_pool(e); }); }
+  /// Forwards to each.
+  void on_relay(const OutboxRelayEvent& e) noexcept override { each([&](Observer& o) { o.on_relay(e); }); }
+  /// Forwards to each.
+  void on_source(const SourceEvent& e) noexcept override { each([&](Observer& o) { o.on_source(e); }); }
+
+private:
+  template <class F>
+  void each(F&& f) noexcept {
+    for (const auto& o : to_) f(*o);
+  }
+  std::vector<std::shared_ptr<Observer>> to_;
 };
 
 /// Observer that counts outcomes and sums latencies with atomics; read with count()/total_latency().

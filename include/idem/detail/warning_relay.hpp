@@ -3,6 +3,7 @@
 /// part of idem's API.
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -46,6 +47,7 @@ public:
       for (const auto& w : attached_)
         if (w.lock() == o) return;
       attached_.push_back(o);
+      attached_count_.store(attached_.size(), std::memory_order_release);
       replay = past_;
     }
     for (const auto& m : replay) o->on_warning(m);
@@ -83,12 +85,37 @@ public:
   void on_batch(std::size_t size) noexcept override {
     if (own_) own_->on_batch(size);
   }
+  void on_store_call(const StoreCallEvent& e) noexcept override {
+    if (own_) own_->on_store_call(e);
+  }
+  void on_relay(const OutboxRelayEvent& e) noexcept override {
+    if (own_) own_->on_relay(e);
+  }
+  void on_source(const SourceEvent& e) noexcept override {
+    if (own_) own_->on_source(e);
+  }
+  // The store's pool reports here: to its own observer and every attached guard's. Two per store
+  // call, so the attached list is looked at only when there is one.
+  void on_pool(const PoolEvent& e) noexcept override {
+    if (own_) own_->on_pool(e);
+    if (attached_count_.load(std::memory_order_acquire) == 0) return;
+    std::vector<std::shared_ptr<Observer>> to;
+    try {
+      std::lock_guard lock(mu_);
+      for (const auto& w : attached_)
+        if (auto s = w.lock()) to.push_back(std::move(s));
+    } catch (...) {
+      return;  // out of memory: the attached observers miss this one
+    }
+    for (const auto& s : to) s->on_pool(e);
+  }
 
 private:
   static constexpr std::size_t kept = 16;
   std::shared_ptr<Observer> own_;
   std::mutex mu_;
   std::vector<std::weak_ptr<Observer>> attached_;
+  std::atomic<std::size_t> attached_count_{0};
   std::vector<std::string> past_;
 };
 

@@ -154,7 +154,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
       }
     std::vector<AcquireResult> acquired;
     try {
-      acquired = store_->acquire_many(requests);
+      acquired = timed("batch_acquire", [&] { return store_->acquire_many(requests); });
     } catch (...) {
       // No handler ran: the whole batch fails as one acquire would (the first machine decides).
       if (asking.empty()) throw;
@@ -207,7 +207,7 @@ auto IdempotencyGuard<Store>::run_batch(std::span<const BatchItem> items, F&& ha
       sent.push_back(k);
     }
     try {
-      const std::vector<WriteStatus> statuses = writer.finish();
+      const std::vector<WriteStatus> statuses = timed("batch_write", [&] { return writer.finish(); });
       for (std::size_t w = 0; w < sent.size(); ++w)
         next[sent[w]] = ms[sent[w]].on_written(w < statuses.size() ? statuses[w] : WriteStatus::ok);
     } catch (...) {

@@ -10,6 +10,7 @@
 #include <exception>
 #include <functional>
 #include <optional>
+#include <ranges>
 #include <span>
 #include <stop_token>
 #include <string>
@@ -53,7 +54,8 @@ struct Delivery {
  * `delivery(m)` shows one of its messages as a Delivery, `settle(verdicts)` applies verdicts[i] to
  * the batch's message i (ack, requeue after `delay`, dead-letter with `reason`), and `release()`
  * drops the batch unsettled (the broker redelivers it). NatsConsumer, StreamsConsumer and the
- * sources of your own brokers (examples/dir_source.hpp) model it.
+ * sources of your own brokers (examples/dir_source.hpp) model it. A source may also count its
+ * backlog, `backlog()` returning SourceEvents: idem::consume reports them to the guard's observer.
  */
 template <class S>
 concept Source = requires(S& s, const typename S::message_type& m, std::span<const Verdict> verdicts) {
@@ -62,6 +64,18 @@ concept Source = requires(S& s, const typename S::message_type& m, std::span<con
   s.settle(verdicts);
   s.release();
 };
+
+namespace detail {
+// A source that counts its backlog (`backlog()`: SourceEvents, views valid until its next poll)
+// reports it to the guard's observer after each round.
+template <class S>
+void report_backlog(S& source, Observer* observer) {
+  if constexpr (requires { { source.backlog() } -> std::ranges::range; }) {
+    if (!observer) return;
+    for (const SourceEvent& e : source.backlog()) observer->on_source(e);
+  }
+}
+}  // namespace detail
 
 /// How idem::consume keys and answers messages.
 struct ConsumeOptions {
@@ -102,7 +116,10 @@ ConsumeReport consume_batch(S& source, IdempotencyGuard<Store>& guard, F& handle
   ConsumeReport report;
   const auto messages = source.poll();
   report.polled = messages.size();
-  if (messages.empty()) return report;
+  if (messages.empty()) {
+    detail::report_backlog(source, guard.options().observer.get());
+    return report;
+  }
   try {
     std::vector<Delivery> deliveries;
     std::vector<std::string> keys;
@@ -141,6 +158,7 @@ ConsumeReport consume_batch(S& source, IdempotencyGuard<Store>& guard, F& handle
     source.release();  // nothing of the batch is settled: the broker redelivers it
     throw;
   }
+  detail::report_backlog(source, guard.options().observer.get());
   return report;
 }
 

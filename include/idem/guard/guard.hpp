@@ -229,11 +229,13 @@ private:
           try {
             if (m.call() == detail::Call::acquire) {
               tx.reset();
-              tx.emplace(store_->begin(m.key(), m.acquire_params()));
+              timed("begin", [&] { tx.emplace(store_->begin(m.key(), m.acquire_params())); });
               next = m.on_acquired(tx->decision());
             } else {
-              next = m.on_written(m.call() == detail::Call::complete ? tx->commit(m.result(), m.retention())
-                                                                     : tx->fail(m.fail_params()));
+              const bool commit = m.call() == detail::Call::complete;
+              next = m.on_written(timed(commit ? "commit" : "fail", [&] {
+                return commit ? tx->commit(m.result(), m.retention()) : tx->fail(m.fail_params());
+              }));
             }
           } catch (...) {
             next = m.on_store_error(std::current_exception());
@@ -261,10 +263,33 @@ private:
   template <class R, class Complete>
   detail::Next send(machine<R>& m, Complete& complete) {
     try {
-      return m.call() == detail::Call::acquire ? m.on_acquired(store_->acquire(m.key(), m.acquire_params()))
-                                               : m.on_written(write(m, complete));
+      if (m.call() == detail::Call::acquire)
+        return m.on_acquired(timed("acquire", [&] { return store_->acquire(m.key(), m.acquire_params()); }));
+      return m.on_written(timed(m.call() == detail::Call::fail ? "fail" : "complete", [&] { return write(m, complete); }));
     } catch (...) {
       return m.on_store_error(std::current_exception());
+    }
+  }
+
+  // `call()` (a store call named `op`), its time and whether it threw reported to the observer
+  // (on_store_call); without one, just `call()`: no clock is read.
+  template <class Call>
+  decltype(auto) timed(std::string_view op, Call&& call) const {
+    Observer* const obs = options_.observer.get();
+    if (!obs) return call();
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      if constexpr (std::is_void_v<decltype(call())>) {
+        call();
+        obs->on_store_call(StoreCallEvent{op, std::chrono::steady_clock::now() - started, true});
+      } else {
+        decltype(auto) r = call();
+        obs->on_store_call(StoreCallEvent{op, std::chrono::steady_clock::now() - started, true});
+        return r;
+      }
+    } catch (...) {
+      obs->on_store_call(StoreCallEvent{op, std::chrono::steady_clock::now() - started, false});
+      throw;
     }
   }
 

@@ -10,6 +10,7 @@
 #include <stop_token>
 #include <string>
 
+#include "idem/core/observer.hpp"
 #include "idem/core/record.hpp"
 #include "idem/outbox/publisher.hpp"
 #include "idem/postgres/client.hpp"
@@ -54,20 +55,7 @@ struct OutboxRelayStats {
   std::uint64_t notifications = 0;   ///< wake-ups by NOTIFY
 };
 
-/// One event the relay reports to the observer given to OutboxRelay::set_observer (metrics, logs).
-struct OutboxRelayEvent {
-  /// What happened.
-  enum class Kind : std::uint8_t {
-    published,       ///< a batch of `rows` was published and marked sent
-    publish_failed,  ///< the publisher refused a batch of `rows`; `error` says why; they back off
-    error,           ///< a database error (the loop goes on after poll_interval); `error` says why
-    purged,          ///< `rows` sent rows were deleted
-    warning,         ///< something the operator should know (e.g. polling behind a transaction pooler); `error` says what
-  };
-  Kind kind = Kind::published;  ///< what happened
-  std::size_t rows = 0;         ///< rows concerned
-  std::string error;            ///< publish_failed, error: the message
-};
+// OutboxRelayEvent, what the relay reports to its observer, is in idem/core/observer.hpp.
 
 /**
  * Drains the outbox of one PostgresStore table (docs/outbox.md). Each batch is one transaction:
@@ -119,6 +107,8 @@ class OutboxRelay {
   [[nodiscard]] OutboxRelayStats stats() const noexcept;
   /// Called on the relay's thread for every published batch, failure, error and purge.
   void set_observer(std::function<void(const OutboxRelayEvent&)> observer);
+  /// The same events to `observer`'s on_relay (with the guard's metrics: PrometheusObserver, TeeObserver).
+  void set_observer(std::shared_ptr<Observer> observer);
   /// The options in force.
   [[nodiscard]] const OutboxRelayOptions& options() const noexcept;
 

@@ -25,12 +25,18 @@ struct PrometheusOptions {
   std::vector<double> latency_buckets;
   /// Upper bounds of the `idem_batch_size` buckets; empty = 1 .. 1000.
   std::vector<double> batch_buckets;
+  /// Upper bounds (seconds) of the `idem_store_call_duration_seconds` buckets; empty = 0.1 ms .. 5 s.
+  std::vector<double> store_call_buckets;
+  /// The `program` label of `idem_build_info` (your service's name).
+  std::string program = "idem";
 };
 
 /**
  * Observer that feeds Prometheus metrics: outcomes by status, run latency per status, store errors
  * by type, takeovers, lease losses, heartbeat extensions, batch sizes, cache hits, handler errors
- * and store warnings, every series labelled with PrometheusOptions::store. Thread-safe (the
+ * and store warnings; store-call latency by call, connection pool use and waits, an embedded
+ * outbox relay's counters, consumer sources' pending / held messages per partition and
+ * rebalances, and `idem_build_info`; every series labelled with PrometheusOptions::store. Thread-safe (the
  * prometheus-cpp metrics are atomics); hand it to GuardOptions::observer as a shared_ptr.
  *
  * @code
@@ -69,6 +75,14 @@ public:
   void on_lease_extended(std::string_view key, std::uint64_t fence) noexcept override;
   /// Observes a batch's size.
   void on_batch(std::size_t size) noexcept override;
+  /// Observes a store call's latency by call; counts it as failed when it threw.
+  void on_store_call(const StoreCallEvent& e) noexcept override;
+  /// Sets the pool's in-use / open / size gauges; observes a checkout's wait; counts an exhausted pool.
+  void on_pool(const PoolEvent& e) noexcept override;
+  /// Counts the outbox relay's published rows and batches, publish failures, errors and purges.
+  void on_relay(const OutboxRelayEvent& e) noexcept override;
+  /// Sets a consumer partition's pending and held gauges; counts a rebalance.
+  void on_source(const SourceEvent& e) noexcept override;
 
 private:
   struct Impl;
