@@ -1,37 +1,38 @@
-// kafka_consumer: a starting template for a Kafka consumer with exactly-once effects. The consumer
-// loop is idem::kafka::Consumer (include/idem/kafka/consumer.hpp): it commits only settled
-// offsets, retries a message by pausing and seeking back its own partition, writes dead letters
-// once, and handles eager and cooperative rebalances. What is left here is configuration and the
-// handler: put your logic in Ledger::apply(). docs/consuming.md explains the loop's choices.
+// kafka_consumer: a starting template for a Kafka consumer with exactly-once effects.
+// idem::kafka::Source polls batches, commits only settled offsets, requeues by pausing the
+// partition and seeking back, writes dead letters with their headers and idem-reason, and handles
+// eager and cooperative rebalances; idem::consume runs each batch through IdempotencyGuard and
+// settles every message with its verdict. Put your logic in Ledger::apply(); docs/consuming.md.
 //
 //   idem_kafka_consumer --brokers HOST:PORT [--topic payments] [--group payments-svc] [--dlq T]
-//                       [--cooperative] [--workers N]
+//                       [--cooperative] [--batch 64]
 //
-// SIGINT / SIGTERM stop it: it commits what is settled, leaves the group and prints a summary.
-// CTest runs it against librdkafka's mock cluster through tests/kafka/example_driver.cpp.
-//
-// The guard runs on idem::MemoryStore: per process, so it only dedupes what this process sees.
-// With more than one consumer process, construct it on idem::RedisStore or idem::PostgresStore
-// (the `Store` alias below); nothing else changes.
+// Messages: "id;account;amount", keyed on the id (an unreadable payload has no key and is
+// dead-lettered). SIGINT / SIGTERM: it finishes the batch in hand, prints a summary, commits what
+// is settled and leaves the group. MemoryStore dedupes what this process sees; with more consumer
+// processes use RedisStore or PostgresStore. CTest runs it on librdkafka's mock cluster
+// (tests/kafka/example_driver.cpp).
+
+#include <fmt/core.h>
 
 #include <csignal>
 #include <cstdio>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 #include <string_view>
 
+#include "idem/guard/consume.hpp"
 #include "idem/idem.hpp"
-#include "idem/kafka/consumer.hpp"
+#include "idem/kafka/source.hpp"
 
 namespace {
 
-using Store = idem::MemoryStore;
+std::stop_source g_stop;
+extern "C" void on_signal(int) { g_stop.request_stop(); }
 
-// A payment event, "id;account;amount". The idempotency key is the producer's event id, not the
-// message's coordinates: a message re-published by a retrying producer has other ones.
 struct Payment {
   std::string id, account;
   long amount = 0;
@@ -49,101 +50,75 @@ std::optional<Payment> parse(std::string_view s) {
   }
 }
 
-// Stands in for your database. apply() is the effect that must happen once per payment.
-class Ledger {
- public:
-  // ---- YOUR LOGIC GOES HERE. It runs at most once per payment id (docs/guarantees.md has the
-  // crash window between the effect and the completion; ctx.fence can fence downstream writes).
-  // Throwing retries the payment; after the guard's max_attempts it goes to the dead-letter topic.
+// ---- YOUR LOGIC: the effect of one payment, at most once per id (ctx.fence can fence downstream
+// writes). Throwing retries it; after the guard's max_attempts it goes to the dead-letter topic.
+struct Ledger {
+  std::map<std::string, long> balance;
+  long applied = 0, sum = 0;
   void apply(const Payment& p, const idem::Context& /*ctx*/) {
     if (p.amount == 0) throw std::runtime_error("payment " + p.id + " rejected: amount is zero");
-    std::lock_guard lock(mu_);
-    balances_[p.account] += p.amount;
-    ++applied_;
-    sum_ += p.amount;
+    balance[p.account] += p.amount;
+    ++applied;
+    sum += p.amount;
   }
-  void print() const {
-    std::lock_guard lock(mu_);
-    std::printf("applied %ld payments, amount %ld, %zu accounts\n", applied_, sum_, balances_.size());
-  }
-
- private:
-  mutable std::mutex mu_;
-  std::map<std::string, long> balances_;
-  long applied_ = 0, sum_ = 0;
 };
-
-idem::kafka::Consumer* g_consumer = nullptr;
-extern "C" void on_signal(int) { g_consumer->stop(); }
-
-std::string arg(int argc, char** argv, const char* name, const std::string& dflt) {
-  for (int i = 1; i + 1 < argc; ++i)
-    if (std::string(argv[i]) == name) return argv[i + 1];
-  return dflt;
-}
-bool flag(int argc, char** argv, const char* name) {
-  for (int i = 1; i < argc; ++i)
-    if (std::string(argv[i]) == name) return true;
-  return false;
-}
 
 }  // namespace
 
 int main(int argc, char** argv) try {
-  idem::kafka::ConsumerOptions o;
-  o.brokers = arg(argc, argv, "--brokers", "");
-  o.group = arg(argc, argv, "--group", "payments-svc");
-  o.topics = {arg(argc, argv, "--topic", "payments")};
-  o.dead_letter_topic = arg(argc, argv, "--dlq", "");  // empty: <topic>.dlq
-  o.workers = static_cast<std::size_t>(std::stoul(arg(argc, argv, "--workers", "4")));
+  std::map<std::string, std::string> flags;
+  for (int i = 1; i < argc; ++i) {
+    const std::string name = argv[i];
+    flags[name] = name != "--cooperative" && i + 1 < argc ? argv[++i] : "";
+  }
+  auto flag = [&](const char* name, const char* def) { return flags.count(name) ? flags[name] : std::string(def); };
+  idem::kafka::SourceOptions o;
+  o.brokers = flag("--brokers", "");
+  o.group = flag("--group", "payments-svc");
+  o.topics = {flag("--topic", "payments")};
+  o.dead_letter_topic = flag("--dlq", "");  // empty: <topic>.dlq
+  o.batch = std::stoul(flag("--batch", "64"));
   if (o.brokers.empty()) {
-    std::fprintf(stderr,
-                 "usage: idem_kafka_consumer --brokers HOST:PORT [--topic T] [--group G] [--dlq T] "
-                 "[--cooperative] [--workers N]\n");
+    fmt::print(stderr, "usage: idem_kafka_consumer --brokers HOST:PORT [--topic T] [--group G] [--dlq T] "
+                       "[--cooperative] [--batch N]\n");
     return 2;
   }
   // TUNE: session.timeout.ms / heartbeat.interval.ms decide how fast a dead consumer's partitions
-  // move; cooperative-sticky moves only the partitions that change owner. max.poll.interval.ms
-  // needs no headroom for slow handlers: the poll thread never runs them.
-  if (flag(argc, argv, "--cooperative")) o.properties["partition.assignment.strategy"] = "cooperative-sticky";
-  o.log = [](std::string_view line) { std::fprintf(stderr, "%.*s\n", static_cast<int>(line.size()), line.data()); };
+  // move; cooperative-sticky moves only the partitions that change owner. The handlers run on the
+  // polling thread: max.poll.interval.ms must cover a whole batch of them.
+  if (flags.count("--cooperative")) o.properties["partition.assignment.strategy"] = "cooperative-sticky";
+  o.log = [](std::string_view line) { fmt::print(stderr, "{}\n", line); };
+  idem::kafka::Source source(o);
 
-  // TUNE: lease above the handler's worst case (or heartbeat = true); retention above the longest
-  // redelivery horizon (consumer lag, replays from the DLQ). consumer_guard_options() records
-  // failures (3 attempts, then the dead-letter topic): FailureMode::release would retry a poison
-  // message for ever and hold its partition's commits back (docs/consuming.md).
+  // TUNE: lease above the handler's worst case. consumer_guard_options() records failures (3
+  // attempts, then the dead-letter topic); FailureMode::release would retry a poison message for
+  // ever and hold its partition's commits back.
   idem::GuardOptions g = idem::kafka::consumer_guard_options();
-  g.failure.backoff = idem::millis{200};  // doubling: a poison message is dead-lettered within a second
-  Store store;
-  idem::IdempotencyGuard<Store> guard(store, g);
+  g.failure.backoff = idem::millis{200};  // doubling: a poison message is dead-lettered within a second or two
+  idem::MemoryStore store;
+  idem::IdempotencyGuard guard(store, g);
   Ledger ledger;
-  // The key is the payload's event id. On a topic the outbox relay feeds, drop this function:
-  // guarded(guard, handler) keys on the header idem-outbox-id (outbox_id_or(f): that header, else f).
-  auto processor = idem::kafka::guarded(
-      guard,
-      // An unreadable payload gets an empty key, which the guard refuses: it goes to the dead-letter topic.
-      [](const idem::kafka::Message& m) {
-        const auto p = parse(m.value);
-        return p ? p->id : std::string();
-      },
-      [&](const idem::kafka::Message& m, const idem::Context& ctx) { ledger.apply(*parse(m.value), ctx); });
-
-  idem::kafka::Consumer consumer(o, processor);
-  g_consumer = &consumer;
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  consumer.run();
 
-  const auto st = consumer.stats();
-  std::printf(
-      "executed %llu, duplicates %llu, retried %llu, dead-lettered %llu (%llu found written), "
-      "rebalances %llu\n",
-      static_cast<unsigned long long>(st.executed), static_cast<unsigned long long>(st.duplicates),
-      static_cast<unsigned long long>(st.requeued), static_cast<unsigned long long>(st.dead_lettered),
-      static_cast<unsigned long long>(st.dead_letters_earlier), static_cast<unsigned long long>(st.rebalances));
-  ledger.print();
-  return 0;
+  idem::ConsumeOptions co;
+  co.retry = {.base = idem::millis{200}, .cap = idem::millis{5'000}};  // requeue waits, jittered
+  // The payment's id, not the message's coordinates: a re-published copy has other ones. On a topic
+  // the outbox relay feeds, drop key_of: the default is the idem-outbox-id header.
+  co.key_of = [](const idem::Delivery& m) {
+    const auto p = parse(m.payload);
+    return p ? p->id : std::string();
+  };
+  idem::consume(source, guard, g_stop.get_token(),
+                [&](const idem::Delivery& m, const idem::Context& ctx) { ledger.apply(*parse(m.payload), ctx); }, co);
+
+  const auto st = source.stats();
+  fmt::print("polled {}, acked {}, requeued {}, dead-lettered {}, rebalances {}, commits {}\n", st.polled, st.acked,
+             st.requeued, st.dead_lettered, st.rebalances, st.commits);
+  fmt::print("applied {} payments, amount {}, {} accounts\n", ledger.applied, ledger.sum, ledger.balance.size());
+  std::fflush(stdout);
+  return 0;  // ~Source: commits what is settled and leaves the group
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "idem_kafka_consumer: %s\n", e.what());
+  fmt::print(stderr, "idem_kafka_consumer: {}\n", e.what());
   return 1;
 }
