@@ -43,6 +43,7 @@ TEST_CASE("NatsPublisher: a re-sent batch is dropped by the server on its Nats-M
   CHECK(std::string(natsMsg_GetSubject(m)) == "out.payments");
   CHECK(std::string(natsMsg_GetData(m), static_cast<std::size_t>(natsMsg_GetDataLength(m))) == "p1");
   CHECK(header("Nats-Msg-Id") == "order-7:1");
+  CHECK(header("idem-outbox-id") == "order-7:1");  // what idem::consume keys on by default
   CHECK(header("Idem-Message-Key") == "acct-1");
   CHECK(header("trace") == "t-1");
   natsMsg_Destroy(m);

@@ -66,6 +66,7 @@ TEST_CASE("RabbitMqPublisher: a confirmed batch is in the queue with message_id,
     CHECK(got[i].header("content-kind") == "test");
     CHECK(got[i].header("n") == std::to_string(i));
     CHECK(got[i].header("idem-message-key") == batch[i].message_key);
+    CHECK(got[i].header("idem-outbox-id") == batch[i].id);  // what idem::consume keys on by default
   }
   CHECK(pub.connections() == 1);
   admin.delete_queue(q);

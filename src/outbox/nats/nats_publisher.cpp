@@ -44,7 +44,8 @@ struct NatsPublisher::Impl {
     nx::MsgPtr msg(raw);
     for (const auto& [k, v] : m.headers) (void)natsMsgHeader_Add(msg.get(), k.c_str(), nx::header_value(v).c_str());
     if (!m.message_key.empty()) (void)natsMsgHeader_Set(msg.get(), "Idem-Message-Key", m.message_key.c_str());
-    (void)natsMsgHeader_Set(msg.get(), "Nats-Msg-Id", m.id.c_str());
+    (void)natsMsgHeader_Set(msg.get(), "Nats-Msg-Id", m.id.c_str());  // JetStream's own deduplication window
+    (void)natsMsgHeader_Set(msg.get(), "idem-outbox-id", m.id.c_str());  // what idem sources key on by default
     jsPubOptions po;
     jsPubOptions_Init(&po);
     po.MaxWait = opt.timeout.count();

@@ -169,6 +169,8 @@ private:
       entries.clear();
       for (const auto& [name, value] : m.headers) entries.push_back(entry(name, value));
       if (!m.message_key.empty()) entries.push_back(entry(options_.key_header, m.message_key));
+      // The id twice: message_id for AMQP tools, the header every idem source keys on by default.
+      entries.push_back(entry(outbox_id_name, m.id));
       amqp_basic_properties_t props{};
       props._flags = AMQP_BASIC_MESSAGE_ID_FLAG | AMQP_BASIC_DELIVERY_MODE_FLAG;
       props.message_id = bytes(m.id);
@@ -185,6 +187,7 @@ private:
     }
   }
 
+  inline static const std::string outbox_id_name = "idem-outbox-id";
   static amqp_table_entry_t entry(const std::string& name, const std::string& value) {
     amqp_table_entry_t e{};
     e.key = bytes(name);
