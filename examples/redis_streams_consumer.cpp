@@ -1,7 +1,8 @@
 // redis_streams_consumer: a starting template for a Redis Streams consumer with exactly-once
 // effects. idem::StreamsConsumer reads the consumer group (taking over what dead consumers left
-// pending), IdempotencyGuard decides each entry, StreamsConsumer::settle acks, dead-letters or
-// leaves it pending. Copy it and put your logic in apply().
+// pending), idem::consume runs each batch through the guard and settles every entry with its
+// verdict: acked, dead-lettered to <stream>:dlq, or left pending to be retried. Copy it and put
+// your logic in apply().
 //
 //   idem_redis_streams_consumer [--redis URL] [--stream payments] [--group payments] [--consumer NAME]
 //                               [--lease-ms 30000] [--count 32] [--handler-ms 0]
@@ -21,6 +22,8 @@
 #include <memory>
 #include <stop_token>
 #include <string>
+#include <string_view>
+#include <thread>
 
 #include <fmt/core.h>
 #include <hiredis/hiredis.h>
@@ -104,22 +107,18 @@ int main(int argc, char** argv) try {
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
 
-  consumer.run(g_stop.get_token(), [&](const idem::StreamEntry& e) {
-    const std::string *id = e.field("event_id"), *account = e.field("account"), *amount = e.field("amount");
-    if (!id || !account || !amount) return idem::StreamDecision{idem::BrokerAction::dead_letter, "unparseable entry"};
-    try {
-      // The fingerprint (account|amount): a reused event id with another body answers mismatch.
-      auto out = guard.run(*id, *account + "|" + *amount, [&] {
-        if (*account == "poison") throw std::runtime_error("poison payment");
-        std::this_thread::sleep_for(work);
-        ledger.apply(stream, *id, *account, std::atol(amount->c_str()));
-        return std::string("applied");
-      });
-      return idem::StreamsConsumer::decide(out);
-    } catch (...) {
-      return idem::StreamsConsumer::decide(std::current_exception());  // stays pending, retried
-    }
-  });
+  // Every field of an entry is a header; the key is its event_id (the outbox relay's entries carry
+  // `id`, the default key). An entry without one has an empty key and is dead-lettered.
+  idem::ConsumeOptions co;
+  co.key_of = [](const idem::Delivery& d) { return std::string(d.header("event_id").value_or("")); };
+  idem::consume(consumer, guard, g_stop.get_token(), [&](const idem::Delivery& d) {
+    const auto account = d.header("account"), amount = d.header("amount");
+    if (!account || !amount) throw std::invalid_argument("entry without account or amount");
+    if (*account == "poison") throw std::runtime_error("poison payment");
+    std::this_thread::sleep_for(work);
+    ledger.apply(stream, std::string(*d.header("event_id")), std::string(*account), std::atol(std::string(*amount).c_str()));
+    return std::string("applied");
+  }, co);
   const auto st = consumer.stats();
   fmt::print("read {}, resumed {}, claimed {}, acked {}, dead-lettered {}, left pending {}\n", st.read, st.resumed,
              st.claimed, st.acked, st.dead_lettered, st.left_pending);
