@@ -3,6 +3,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <latch>
 #include <set>
 #include <thread>
 
@@ -185,7 +186,13 @@ TEST_CASE("outbox: two relays at once send every row once, in order per key", "[
   idem::RedisStreamsPublisher pub1{{.redis = redis.options()}}, pub2{{.redis = redis.options()}};
   idem::OutboxRelay r1{pub1, opt}, r2{pub2, opt};
   pgtest::Raw raw;
+  // Both connected before either starts, and started together: on a loaded machine a relay still
+  // connecting could otherwise find the other one done (the CI saw r2 publish nothing).
+  r1.migrate();
+  r2.migrate();
+  std::latch start(2);
   auto drain = [&](idem::OutboxRelay& r) {
+    start.arrive_and_wait();
     for (int i = 0; i < 2000; ++i) {
       if (r.run_once() == 0 && count(raw, "SELECT count(*) FROM " + env.outbox() + " WHERE sent_at IS NULL") == 0)
         return;
@@ -193,6 +200,7 @@ TEST_CASE("outbox: two relays at once send every row once, in order per key", "[
   };
   std::thread a([&] {
     pgtest::Raw mine;
+    start.arrive_and_wait();
     for (int i = 0; i < 2000; ++i)
       if (r1.run_once() == 0 && std::stol(mine.scalar("SELECT count(*) FROM " + env.outbox() +
                                                       " WHERE sent_at IS NULL")) == 0)
