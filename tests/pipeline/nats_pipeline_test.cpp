@@ -62,6 +62,7 @@
 #include "idem/postgres.hpp"
 #include "idem/postgres/outbox_writer.hpp"
 #include "nats/nats_server.hpp"
+#include "pipeline_driver.hpp"
 #include "pipeline_plan.hpp"
 
 #ifndef IDEM_PIPELINE_WORKER
@@ -72,70 +73,22 @@
 #endif
 
 using namespace std::chrono_literals;
-using Clock = std::chrono::steady_clock;
+using pipeline::Clock;
+using pipeline::Fleet;
+using pipeline::Pg;
+using pipeline::Proc;
+using pipeline::at;
+using pipeline::fixture_conninfo;
+using pipeline::random_hex;
+using pipeline::read_stats;
+using pipeline::secs;
+using pipeline::tail_of;
 
 namespace {
 
 constexpr int kProducers = 2, kRelays = 2, kConsumers = 2;
 constexpr int kDupPercent = 25;
 constexpr std::int64_t kDuplicateWindowNs = 100'000'000;  // 100 ms: JetStream's own dedup mostly out of the way
-
-double secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
-
-// 12 hex digits, for a schema name of this run's own on the shared fixture server.
-std::string random_hex() {
-  std::random_device rd;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%08x%04x", rd(), rd() & 0xffffu);
-  return buf;
-}
-
-// ---------------------------------------------------------------------------------------------
-// The driver's own PostgreSQL session (setup and the final counts).
-
-class Pg {
-public:
-  explicit Pg(const std::string& conninfo) : c_(PQconnectdb((conninfo + " connect_timeout=5").c_str())) {
-    if (PQstatus(c_) != CONNECTION_OK) {
-      const std::string m = PQerrorMessage(c_);
-      PQfinish(c_);
-      throw std::runtime_error("pipeline: cannot connect to the PostgreSQL fixture: " + m);
-    }
-  }
-  ~Pg() { PQfinish(c_); }
-  Pg(const Pg&) = delete;
-  Pg& operator=(const Pg&) = delete;
-
-  // The rows of `sql`, every value as text.
-  std::vector<std::vector<std::string>> rows(const std::string& sql) {
-    std::unique_ptr<PGresult, decltype(&PQclear)> r(PQexec(c_, sql.c_str()), &PQclear);
-    const auto st = r ? PQresultStatus(r.get()) : PGRES_FATAL_ERROR;
-    if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK)
-      throw std::runtime_error("pipeline: SQL failed: " + sql + ": " + PQerrorMessage(c_));
-    std::vector<std::vector<std::string>> out(static_cast<std::size_t>(PQntuples(r.get())));
-    for (int i = 0; i < PQntuples(r.get()); ++i)
-      for (int j = 0; j < PQnfields(r.get()); ++j) out[static_cast<std::size_t>(i)].emplace_back(PQgetvalue(r.get(), i, j));
-    return out;
-  }
-  void exec(const std::string& sql) { (void)rows(sql); }
-  long long count(const std::string& sql) {
-    const auto r = rows(sql);
-    return r.empty() ? 0 : std::atoll(r[0][0].c_str());
-  }
-
-private:
-  PGconn* c_;
-};
-
-std::string fixture_conninfo() {
-  const char* file = std::getenv("IDEM_PG_CONNINFO_FILE");
-  if (file == nullptr || *file == '\0') file = IDEM_PG_CONNINFO_FILE_DEFAULT;
-  std::ifstream in(file);
-  std::string line;
-  if (!in || !std::getline(in, line) || line.empty())
-    throw std::runtime_error(std::string("pipeline: no conninfo in ") + file + ": the PostgreSQL fixture (idem_pg) did not start");
-  return line;
-}
 
 // ---------------------------------------------------------------------------------------------
 // JetStream: the streams (created here, before any process), and what the driver reads of them.
@@ -207,72 +160,9 @@ private:
   jsCtx* js_ = nullptr;
 };
 
-// ---------------------------------------------------------------------------------------------
-// The processes: every one started here is stopped here, by PID, on every way out.
-
+// The stages, as pipeline::Fleet numbers them.
 enum Stage { producer = 0, relay = 1, consumer = 2 };
 const char* const kStageNames[] = {"producer", "relay", "consumer"};
-
-struct Proc {
-  Stage stage;
-  int slot;
-  pid_t pid = -1;
-  bool done = false;  // a producer that finished its share (exit 0): not started again
-};
-
-class Fleet {
-public:
-  Fleet(std::function<std::vector<std::string>(const Proc&)> args, int log_fd) : args_(std::move(args)), log_fd_(log_fd) {}
-  ~Fleet() {
-    for (auto& p : procs_)
-      if (p.pid > 0) {
-        ::kill(p.pid, SIGKILL);
-        wait_for(p.pid);
-        p.pid = -1;
-      }
-  }
-  Fleet(const Fleet&) = delete;
-  Fleet& operator=(const Fleet&) = delete;
-
-  void add(Stage s, int slot) {
-    procs_.push_back({s, slot});
-    start(procs_.back());
-  }
-  void start(Proc& p) { p.pid = idem::test::spawn(args_(p), log_fd_); }
-  std::vector<Proc>& procs() { return procs_; }
-
-  // SIGTERM to every live process, SIGKILL to what is left after `grace`.
-  void stop_all(Clock::duration grace) {
-    for (auto& p : procs_)
-      if (p.pid > 0) ::kill(p.pid, SIGTERM);
-    const auto until = Clock::now() + grace;
-    for (auto& p : procs_) {
-      if (p.pid <= 0) continue;
-      int st = 0;
-      while (::waitpid(p.pid, &st, WNOHANG) == 0) {
-        if (Clock::now() > until) {
-          ::kill(p.pid, SIGKILL);
-          wait_for(p.pid);
-          break;
-        }
-        std::this_thread::sleep_for(10ms);
-      }
-      p.pid = -1;
-    }
-  }
-
-  static int wait_for(pid_t pid) {
-    int st = 0;
-    while (::waitpid(pid, &st, 0) < 0 && errno == EINTR) {
-    }
-    return st;
-  }
-
-private:
-  std::vector<Proc> procs_;
-  std::function<std::vector<std::string>(const Proc&)> args_;
-  int log_fd_;
-};
 
 struct Setup {
   std::string conninfo, schema, nats_url, dir;
@@ -297,55 +187,17 @@ std::vector<std::string> proc_args(const Proc& p, const Setup& s) {
   return {};
 }
 
-// Outcome lines of every stats file of `role` ("producer" / "consumer"), by letter.
-std::map<char, long long> read_stats(const std::string& dir, const std::string& role) {
-  std::map<char, long long> out;
-  for (const auto& f : std::filesystem::directory_iterator(dir)) {
-    if (f.path().filename().string().rfind("stats-" + role + "-", 0) != 0) continue;
-    std::ifstream in(f.path());
-    std::string line;
-    while (std::getline(in, line))
-      if (!line.empty()) ++out[line[0]];
-  }
-  return out;
-}
-
-std::string tail_of(const std::string& path, std::size_t n) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const std::string s = ss.str();
-  return s.size() > n ? s.substr(s.size() - n) : s;
-}
-
 int run() {
   int events = 400;
   if (const char* e = std::getenv("IDEM_PIPELINE_EVENTS"); e && *e) events = std::max(1, std::atoi(e));
   std::uint64_t seed = std::random_device{}();
   if (const char* s = std::getenv("IDEM_PIPELINE_SEED"); s && *s) seed = std::strtoull(s, nullptr, 10);
-  const bool keep = std::getenv("IDEM_PIPELINE_KEEP") != nullptr && std::string(std::getenv("IDEM_PIPELINE_KEEP")) == "1";
+  const bool keep = pipeline::keep_requested();
   // The bound of the whole run: 90 s for the default size (it takes about 10 s), more for a larger one.
   const auto bound = 90s + std::chrono::milliseconds(static_cast<long long>(events) * 10);
 
   const auto t0 = Clock::now();
-  char tmpl[] = "/tmp/idem-pipeline-XXXXXX";
-  if (::mkdtemp(tmpl) == nullptr) throw std::runtime_error("pipeline: mkdtemp failed");
-  struct WorkDir {
-    std::string path;
-    bool keep;
-    ~WorkDir() {
-      std::error_code ec;
-      if (!keep) std::filesystem::remove_all(path, ec);
-    }
-  } work{tmpl, keep};
-  const std::string log = work.path + "/children.log";
-  const int log_fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-  struct Fd {
-    int fd;
-    ~Fd() {
-      if (fd >= 0) ::close(fd);
-    }
-  } log_guard{log_fd};
+  const pipeline::WorkDir work(keep);
 
   // The plan: what each producer submits (the same computation as the producers').
   const auto evs = pipeline::events(events, seed);
@@ -374,17 +226,7 @@ int run() {
   // A schema of this run's own on the shared fixture server: the stores of stages 1 and 3, the
   // payments (stage 1's effect) and the ledger (stage 3's effect), neither with any uniqueness.
   Setup setup{conninfo, "pipe_" + random_hex(), server.url(), work.path, events, seed, pace_ms};
-  struct Schema {
-    std::string conninfo, name;
-    bool keep;
-    ~Schema() {
-      if (keep) return;
-      try {
-        Pg(conninfo).exec("SET client_min_messages = warning; DROP SCHEMA IF EXISTS " + name + " CASCADE");
-      } catch (const std::exception&) {
-      }
-    }
-  } schema_guard{conninfo, setup.schema, keep};
+  const pipeline::SchemaGuard schema_guard{conninfo, setup.schema, keep};
   {
     Pg pg(conninfo);
     pg.exec("SET client_min_messages = warning; DROP SCHEMA IF EXISTS " + setup.schema + " CASCADE; CREATE SCHEMA " + setup.schema);
@@ -399,7 +241,7 @@ int run() {
     down.migrate();
   }
 
-  Fleet fleet([&setup](const Proc& p) { return proc_args(p, setup); }, log_fd);
+  Fleet fleet([&setup](const Proc& p) { return proc_args(p, setup); }, work.log_fd);
   for (int i = 0; i < kConsumers; ++i) fleet.add(consumer, i);
   for (int i = 0; i < kRelays; ++i) fleet.add(relay, i);
   for (int i = 0; i < kProducers; ++i) fleet.add(producer, i);
@@ -427,34 +269,13 @@ int run() {
     const auto now = Clock::now();
     // Processes that ended by themselves: a producer that finished is done; anything else is
     // started again (and counted).
-    for (auto& p : fleet.procs()) {
-      int st = 0;
-      if (p.pid > 0 && ::waitpid(p.pid, &st, WNOHANG) == p.pid) {
-        p.pid = -1;
-        if (p.stage == producer && WIFEXITED(st) && WEXITSTATUS(st) == 0) {
-          p.done = true;
-          continue;
-        }
-        ++unexpected;
-        fleet.start(p);
-      }
-    }
+    unexpected += fleet.restart_exited(
+        [](const Proc& p, int st) { return p.stage == producer && WIFEXITED(st) && WEXITSTATUS(st) == 0; });
     // The killer: a stage at random (one with a live process), then one of its processes.
     if (chaos && now >= next_kill) {
-      std::vector<Proc*> by_stage[3];
-      for (auto& p : fleet.procs())
-        if (p.pid > 0) by_stage[p.stage].push_back(&p);
-      std::vector<int> stages;
-      for (int s = 0; s < 3; ++s)
-        if (!by_stage[s].empty()) stages.push_back(s);
-      if (!stages.empty()) {
-        const int s = stages[rng() % stages.size()];
-        Proc& victim = *by_stage[s][rng() % by_stage[s].size()];
-        ::kill(victim.pid, SIGKILL);
-        Fleet::wait_for(victim.pid);
+      if (const int s = fleet.kill_one(rng, 3); s >= 0) {
         ++kills[s];
         ++restarts;
-        fleet.start(victim);
       }
       next_kill = now + std::chrono::milliseconds(gap(rng));
     }
@@ -572,10 +393,6 @@ int run() {
   }
   const auto ps = read_stats(work.path, "producer");
   const auto cs = read_stats(work.path, "consumer");
-  auto at = [](const std::map<char, long long>& m, char c) {
-    auto it = m.find(c);
-    return it == m.end() ? 0LL : it->second;
-  };
 
   std::printf("pipeline: kills: %lld producers, %lld relays, %lld consumers (%lld SIGKILLs, each started again); "
               "unexpected exits (started again): %lld; nats-server restarts: %d\n",
@@ -607,7 +424,7 @@ int run() {
               nats_restart_at, failures.empty() ? "PASS" : "FAIL");
   for (const auto& f : failures) std::printf("pipeline: FAILED: %s\n", f.c_str());
   std::fflush(stdout);
-  if (!failures.empty()) std::fprintf(stderr, "children's log (tail):\n%s\n", tail_of(log, 6000).c_str());
+  if (!failures.empty()) std::fprintf(stderr, "children's log (tail):\n%s\n", tail_of(work.log(), 6000).c_str());
   return failures.empty() ? 0 : 1;
 }
 

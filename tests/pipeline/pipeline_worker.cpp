@@ -35,56 +35,18 @@
 #include "idem/postgres.hpp"
 #include "idem/postgres/outbox_writer.hpp"
 #include "pipeline_plan.hpp"
+#include "pipeline_worker.hpp"
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-std::stop_source g_stop;
-extern "C" void on_signal(int) { g_stop.request_stop(); }
-
-char status_char(idem::Status s) {
-  switch (s) {
-    case idem::Status::executed: return 'X';
-    case idem::Status::duplicate: return 'U';
-    case idem::Status::in_flight: return 'I';
-    case idem::Status::previously_failed: return 'F';
-    case idem::Status::stale: return 'S';
-    case idem::Status::lease_lost: return 'L';
-    case idem::Status::mismatch: return 'M';
-  }
-  return '?';
-}
-
-// The guard's outcomes, one stats line each (idem::consume runs batches: this is where a consumer
-// sees whether a delivery was executed or answered as a duplicate).
-class StatsObserver final : public idem::Observer {
-public:
-  explicit StatsObserver(const pipeline::Stats& s) : stats_(s) {}
-  void on_outcome(const idem::OutcomeEvent& e) noexcept override { stats_.note(status_char(e.status)); }
-  void on_store_error(std::string_view, const std::exception&) noexcept override { stats_.note('E'); }
-  void on_handler_error(std::string_view, const std::exception_ptr&) noexcept override { stats_.note('E'); }
-
-private:
-  const pipeline::Stats& stats_;
-};
-
-idem::PostgresOptions pg_client(const std::string& conninfo) {
-  return {.conninfo = conninfo + " connect_timeout=2",
-          .pool = {.size = 2, .wait = idem::millis{3000}},
-          .statement_timeout = idem::millis{5000}};
-}
-
-idem::GuardOptions guard_options(const std::string& owner, std::shared_ptr<idem::Observer> observer) {
-  idem::GuardOptions go;
-  go.lease = 2s;      // a SIGKILLed holder's session dies with it; the lease only bounds a stuck one
-  go.retention = 1h;  // longer than the run: every redelivery is answered as a duplicate
-  go.failure.mode = idem::FailureMode::release;
-  go.owner = owner + ":" + std::to_string(::getpid());
-  go.observer = std::move(observer);
-  return go;
-}
+using pipeline::g_stop;
+using pipeline::guard_options;
+using pipeline::pg_client;
+using pipeline::status_char;
+using pipeline::StatsObserver;
 
 int producer_main(int argc, char** argv) {
   if (argc != 11) {
@@ -205,9 +167,7 @@ int consumer_main(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::signal(SIGTERM, on_signal);
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGPIPE, SIG_IGN);
+  pipeline::install_signals();
   try {
     const std::string role = argc > 1 ? argv[1] : "";
     if (role == "producer") return producer_main(argc, argv);
