@@ -48,6 +48,26 @@ endfunction()
 if(MODE STREQUAL "install")
   set(prefix "${WORK_DIR}/prefix")
   run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${prefix}")
+  # A machine without the brokers' client libraries (pkg-config finds nothing): a plain
+  # find_package(idem) still configures, the components needing them only marked not found...
+  file(MAKE_DIRECTORY "${WORK_DIR}/no-pc")
+  set(ENV{PKG_CONFIG_LIBDIR} "${WORK_DIR}/no-pc")
+  set(ENV{PKG_CONFIG_PATH} "")
+  run(${CMAKE_COMMAND} -S "${consumer}" -B "${WORK_DIR}/consumer-no-deps" -G Ninja "-DCMAKE_PREFIX_PATH=${prefix}")
+  # ...and one asked for by name fails, saying what to install.
+  file(GLOB_RECURSE config "${prefix}/*/idemConfig.cmake")
+  file(READ "${config}" text)
+  if(text MATCHES "set\\(idem_kafka_FOUND ON\\)")  # a build with idem::kafka
+    execute_process(COMMAND ${CMAKE_COMMAND} -S "${consumer}" -B "${WORK_DIR}/consumer-no-kafka" -G Ninja
+                            "-DCMAKE_PREFIX_PATH=${prefix}" -DIDEM_CONSUMER_COMPONENTS=kafka
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+    if(rc EQUAL 0)
+      message(FATAL_ERROR "package test (install): find_package(idem COMPONENTS kafka) passed without librdkafka")
+    endif()
+    expect_contains("find_package(idem COMPONENTS kafka) without librdkafka" "${out}" "librdkafka-dev")
+  endif()
+  unset(ENV{PKG_CONFIG_LIBDIR})
+  unset(ENV{PKG_CONFIG_PATH})
   run(${CMAKE_COMMAND} -S "${consumer}" -B "${WORK_DIR}/consumer-build" -G Ninja "-DCMAKE_PREFIX_PATH=${prefix}")
 elseif(MODE STREQUAL "subdirectory")
   run(${CMAKE_COMMAND} -S "${consumer}" -B "${WORK_DIR}/consumer-build" -G Ninja
