@@ -66,18 +66,20 @@ bool any_element(const redisReply* r, P p) {
 }
 }  // namespace
 
-// The reply shapes are the scripts' (src/redis/lua/*.lua): acquire {1 acquired, ...}; complete,
-// fail, extend 1; sequence_advance {1 advanced, previous}; complete_advance {1 completed, ...}.
+// The reply shapes are the scripts' (src/redis/lua/*.lua): acquire 1 (a new key) or {1 acquired,
+// ...}; complete, fail, extend 1; sequence_advance {1 advanced, previous}; complete_advance
+// {1 completed, ...}.
 bool wrote(Script s, const redisReply* r) {
+  const auto acquired = [](const redisReply* e) { return is_one(e) || first_is_one(e); };
   switch (s) {
-    case Script::acquire:
+    case Script::acquire: return acquired(r);
     case Script::sequence_advance:
     case Script::complete_advance: return first_is_one(r);
     case Script::complete:
     case Script::fail:
     case Script::extend: return is_one(r);
     case Script::acquire_batch:
-    case Script::acquire_each: return any_element(r, first_is_one);
+    case Script::acquire_each: return any_element(r, acquired);
     case Script::complete_batch: return any_element(r, is_one);
     case Script::many: return any_element(r, [](const redisReply* e) { return is_one(e) || first_is_one(e); });
     case Script::inspect: return false;

@@ -47,8 +47,16 @@ void bad_reply(std::string_view what, std::string_view key) {
 }
 
 AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token) {
-  if (r->type != REDIS_REPLY_ARRAY || r->elements < 2) bad_reply("acquire", key);
   AcquireResult out;
+  // 1: a new key acquired (fence 1, no takeover), the scripts' integer for the common answer
+  if (r->type == REDIS_REPLY_INTEGER) {
+    if (r->integer != 1) bad_reply("acquire", key);
+    out.status = AcquireStatus::acquired;
+    out.attempts = 1;
+    out.holder = {1, token};
+    return out;
+  }
+  if (r->type != REDIS_REPLY_ARRAY || r->elements < 2) bad_reply("acquire", key);
   const std::int64_t code = integer(r->element[0], "acquire", key);
   const auto gen = static_cast<std::uint64_t>(integer(r->element[1], "acquire", key));
   out.attempts = static_cast<std::uint32_t>(gen);

@@ -2,9 +2,8 @@
 -- shared by every key. Reply: one acquire reply per key, in order. Each key is decided alone, as
 -- by acquire.lua, at one server time; one script run saves the per-call cost of n EVALSHAs.
 local token, lease, ret, fp, owner = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5]
-local now, out, acquired = now_ms(), {}, {1, 1, 0}
--- Every new key gets the same record (fence 1, this token, lease and owner), encoded once, and
--- the same reply.
-local fresh = encode({st = IN_PROGRESS, gen = 1, tok = token, lease = now + lease, owner = owner, fp = fp, pay = ''})
-for i = 1, #KEYS do out[i] = acquire_key(KEYS[i], token, lease, ret, fp, owner, now, fresh, acquired) end
+local now, out = now_ms(), {}
+-- Every new key gets the same record (fence 1, this token, lease and owner), encoded once.
+local fresh = fresh_record(token, now + lease, owner, fp)
+for i = 1, #KEYS do out[i] = acquire_key(KEYS[i], token, lease, ret, fp, owner, now, fresh) end
 return out

@@ -31,9 +31,17 @@ local function corrupt(why)
   error({err = 'IDEMCORRUPT idem record ' .. why .. ', so it was not written by this idem version'})
 end
 
+-- The server's clock in ms, read once per script call: every step of a call (a batch's keys, a
+-- coalesced call's steps) is decided at one server time, as one atomic script runs at one instant.
+-- This chunk runs again on every call, so `clock` starts out nil in each. (TIME's two fields are
+-- decimal strings; Lua's arithmetic converts them as tonumber would.)
+local clock
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if not clock then
+    local t = redis.call('TIME')
+    clock = t[1] * 1000 + math.floor(t[2] / 1000)
+  end
+  return clock
 end
 
 -- The codec reads and writes the layout above with string.byte/sub/char, and struct only with
@@ -110,6 +118,16 @@ local function encode(r)
   return h .. tok .. fp .. pay
 end
 
+-- The record of a new key (fence 1, in_progress, no payload): byte for byte what encode writes for
+-- it, without a record table. A token that is not 8 bytes goes through encode (which refuses or cuts it).
+local function fresh_record(token, lease_until, owner, fp)
+  if #token ~= 8 then
+    return encode({st = 1, gen = 1, tok = token, lease = lease_until, owner = owner, fp = fp, pay = ''})
+  end
+  if fp == '' then return string.char(129, 1) .. token .. struct.pack('>dH', lease_until, #owner) .. owner end
+  return string.char(145, 1) .. token .. struct.pack('>dH', lease_until, #owner) .. owner .. struct.pack('>H', #fp) .. fp
+end
+
 -- The record whose latest holder is `fence` and `token`, in any state, or nil.
 local function of_holder(key, fence, token)
   local raw = redis.call('GET', key)
@@ -151,7 +169,13 @@ end
 -- The fuzz harness (tests/fuzz/harness.lua) holds it to decode's answer on arbitrary bytes.
 local function completed_reply(s, fp)
   local n = #s
-  local h = string.byte(s, 1)
+  local h, g = string.byte(s, 1, 2)
+  -- The usual one first: header 162 (v1, completed, a payload; no fingerprint, no permanent bit,
+  -- a 1-byte generation), the payload's length reaching exactly the last byte.
+  if h == 162 and n >= 14 then
+    local a, b, c, d = string.byte(s, 11, 14)
+    if ((a * 256 + b) * 256 + c) * 256 + d == n - 14 and g > 0 then return {3, g, string.sub(s, 15)} end
+  end
   -- v1 (h >= 128), state 2 (h % 4), not the 8-byte generation (8 and 64 both set)
   if n < 10 or h < 128 or h % 4 ~= 2 or (h % 16 >= 8 and h >= 192) then return nil end
   local gen, q
@@ -190,25 +214,23 @@ local function completed_reply(s, fp)
   return {3, gen, pay}
 end
 
--- Acquire of one key (docs/design.md, section 1). Reply: {1 acquired, fence, takeover 0/1}
+-- Acquire of one key (docs/design.md, section 1). Reply: 1 (a new key acquired: fence 1, no
+-- takeover; the common answer, as an integer because a table reply costs Redis a conversion of its
+-- own) | {1 acquired, fence, takeover 0/1}
 -- | {2 in_flight, attempts, retry_after ms} | {3 duplicate, attempts, result}
 -- | {4 previously_failed, attempts, error} | {5 mismatch, attempts}
 -- | {6 duplicate without its result, attempts, why}
 -- An in_progress record that already holds this token is this very acquisition asked again (its
 -- reply was lost; tokens are random per acquisition): acquired with the same fence, the lease
 -- renewed, takeover 0.
--- A batch passes `fresh`, the record of a new key (fence 1) encoded once for all its keys, and
--- `acquired`, one {1, 1, 0} reply table shared by its new keys (never modified); nil for either
+-- A batch passes `fresh`, the record of a new key (fence 1) encoded once for all its keys; nil
 -- makes acquire_key build its own.
-local function acquire_key(key, token, lease, ret, fp, owner, now, fresh, acquired)
+local function acquire_key(key, token, lease, ret, fp, owner, now, fresh)
   local raw = redis.call('GET', key)
   if not raw then
-    if not fresh then
-      now = now or now_ms()
-      fresh = encode({st = 1, gen = 1, tok = token, lease = now + lease, owner = owner, fp = fp, pay = ''})
-    end
+    if not fresh then fresh = fresh_record(token, (now or now_ms()) + lease, owner, fp) end
     redis.call('SET', key, fresh, 'PX', ret)
-    return acquired or {1, 1, 0}
+    return 1
   end
   local c = completed_reply(raw, fp)
   if c then return c end
@@ -279,14 +301,18 @@ local function complete_key(key, fence, token, result, ret, unavailable)
       if ok then
         if gen ~= g or string.sub(s, p, p + 7) ~= token then return 0 end
         -- completed: state 1 -> 2, and the payload bit (clear so far) for a non-empty result
-        local h2 = h + 1
-        if result ~= '' then h2 = h + 33 end
-        if p == 3 and not fp then -- the usual record: header, 1-byte generation, token (== `token`)
-          s = string.char(h2, gen) .. token
+        -- (one concatenation: each intermediate string would be made and hashed for nothing)
+        if result == '' then
+          if p == 3 and not fp then -- the usual record: header, 1-byte generation, token (== `token`)
+            s = string.char(h + 1, gen) .. token
+          else
+            s = string.char(h + 1) .. string.sub(s, 2, p + 7) .. string.sub(s, e)
+          end
+        elseif p == 3 and not fp then
+          s = string.char(h + 33, gen) .. token .. struct.pack('>I4', #result) .. result
         else
-          s = string.char(h2) .. string.sub(s, 2, p + 7) .. string.sub(s, e)
+          s = string.char(h + 33) .. string.sub(s, 2, p + 7) .. string.sub(s, e) .. struct.pack('>I4', #result) .. result
         end
-        if result ~= '' then s = s .. struct.pack('>I4', #result) .. result end
         redis.call('SET', key, s, 'PX', ret)
         return 1
       end
