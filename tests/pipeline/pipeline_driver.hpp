@@ -212,6 +212,21 @@ public:
     return s;
   }
 
+  // The same for one given stage: SIGKILL to one of its live processes (at random), reaped,
+  // started again. Returns whether there was one.
+  template <class Rng>
+  bool kill_in(Rng& rng, int stage) {
+    std::vector<Proc*> candidates;
+    for (auto& p : procs_)
+      if (p.pid > 0 && p.stage == stage) candidates.push_back(&p);
+    if (candidates.empty()) return false;
+    Proc& victim = *candidates[rng() % candidates.size()];
+    ::kill(victim.pid, SIGKILL);
+    wait_for(victim.pid);
+    start(victim);
+    return true;
+  }
+
   // SIGTERM to every live process, SIGKILL to what is left after `grace`.
   void stop_all(Clock::duration grace) {
     for (auto& p : procs_)
