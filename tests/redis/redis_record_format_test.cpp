@@ -226,3 +226,59 @@ TEST_CASE("redis record format: records written by the previous version are read
   CHECK(rec->fingerprint == "F");
   CHECK(rec->result == "r300");
 }
+
+TEST_CASE("redis record format: the usual in_progress record completes to the v1 bytes", "[redis][format]") {
+  // complete.lua and complete_key (complete_batch, many.lua) read the usual record (header 0x81:
+  // 1-byte generation, no fingerprint) with one struct.unpack and write the completed record with
+  // one struct.pack: the bytes, the holder check and the retention of the general path.
+  RedisStore store(server().options());
+  const std::string ns = "usual-" + idem::test::random_hex() + ":";
+  auto put = [&](const std::string& k, const std::string& v) {
+    REQUIRE(server().command({"SET", store.redis_key(k), v, "PX", "3600000"}) == "OK");
+  };
+  auto raw = [&](const std::string& k) { return server().command({"GET", store.redis_key(k)}); };
+  auto pttl = [&](const std::string& k) { return std::stoll(server().command({"PTTL", store.redis_key(k)})); };
+  const auto now = static_cast<double>(server_ms());
+  auto held = [&](std::uint64_t gen) { return v1(1, gen, tok, lease_owner(now + 60'000, "old"), "", ""); };
+
+  // an empty result: header 0x82, nothing after the token; the retention is the completion's
+  put(ns + "empty", held(1));
+  REQUIRE(store.complete(ns + "empty", idem::Holder{1, tok}, "", 60s) == WriteStatus::ok);
+  CHECK(raw(ns + "empty") == v1(2, 1, tok, "", "", ""));
+  CHECK(pttl(ns + "empty") <= 60'000);
+  CHECK(pttl(ns + "empty") > 50'000);
+  // the same request again (its reply lost): answered as written, the record unchanged
+  CHECK(store.complete(ns + "empty", idem::Holder{1, tok}, "", 60s) == WriteStatus::ok);
+  CHECK(raw(ns + "empty") == v1(2, 1, tok, "", "", ""));
+  // a result over 65535 bytes (the length's high bytes), fences 2, 3 and 255
+  const std::string big(70'000, 'b');
+  put(ns + "big", held(1));
+  REQUIRE(store.complete(ns + "big", idem::Holder{1, tok}, big, 60s) == WriteStatus::ok);
+  CHECK(raw(ns + "big") == v1(2, 1, tok, "", "", big));
+  for (std::uint64_t gen : {2, 3, 255}) {
+    const std::string k = ns + "gen-" + std::to_string(gen);
+    put(k, held(gen));
+    CHECK(store.complete(k, idem::Holder{gen - 1, tok}, "r", 60s) == WriteStatus::lease_lost);
+    CHECK(store.complete(k, idem::Holder{gen + 1, tok}, "r", 60s) == WriteStatus::lease_lost);
+    CHECK(store.complete(k, idem::Holder{gen, tok + 1}, "r", 60s) == WriteStatus::lease_lost);
+    CHECK(raw(k) == held(gen));
+    REQUIRE(store.complete(k, idem::Holder{gen, tok}, "r", 60s) == WriteStatus::ok);
+    CHECK(raw(k) == v1(2, gen, tok, "", "", "r"));
+  }
+  // completed without its result: the general path (the permanent bit)
+  put(ns + "unavail", held(1));
+  REQUIRE(store.complete_unavailable(ns + "unavail", idem::Holder{1, tok}, "why", 60s) == WriteStatus::ok);
+  CHECK(raw(ns + "unavail") == v1(2, 1, tok, "", "", "why", true));
+  // complete_batch (complete_key's copy of the usual case)
+  put(ns + "batch-1", held(1));
+  put(ns + "batch-2", held(2));
+  const std::string b1 = ns + "batch-1", b2 = ns + "batch-2";
+  const std::vector<idem::CompleteItem> items{{b1, idem::Holder{1, tok}, "x"}, {b2, idem::Holder{1, tok}, "y"}};
+  const auto w = store.complete_batch(items, 60s);
+  REQUIRE(w.size() == 2);
+  CHECK(w[0] == WriteStatus::ok);
+  CHECK(w[1] == WriteStatus::lease_lost);
+  CHECK(raw(ns + "batch-1") == v1(2, 1, tok, "", "", "x"));
+  CHECK(raw(ns + "batch-2") == held(2));
+  CHECK(pttl(ns + "batch-1") <= 60'000);
+}

@@ -12,7 +12,7 @@ local out, a = {}, 1
 for i = 1, #KEYS do
   local op, k, ok, res = ARGV[a], KEYS[i]
   if op == 'a5' then
-    ok, res = pcall(acquire_key, k, ARGV[a + 1], tonumber(ARGV[a + 2]), ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+    ok, res = pcall(acquire_key, k, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
     a = a + 6
   elseif op == 'c4' or op == 'c5' then
     ok, res = pcall(complete_key, k, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], op == 'c5' and ARGV[a + 5] == '1')
