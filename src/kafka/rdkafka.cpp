@@ -59,6 +59,45 @@ void set_property(rd_kafka_conf_t* conf, const std::string& name, const std::str
     throw invalid_options_error(fmt::format("kafka property {}={}: {}", name, value, err));
 }
 
+rd_kafka_t* new_group_consumer(const std::string& brokers, const std::string& group,
+                               const std::map<std::string, std::string>& properties,
+                               const std::vector<std::string>& topics,
+                               void (*rebalance)(rd_kafka_t*, rd_kafka_resp_err_t, rd_kafka_topic_partition_list_t*, void*),
+                               void (*commit)(rd_kafka_t*, rd_kafka_resp_err_t, rd_kafka_topic_partition_list_t*, void*),
+                               void* opaque) {
+  rd_kafka_conf_t* conf = rd_kafka_conf_new();
+  try {
+    set_property(conf, "bootstrap.servers", brokers);
+    set_property(conf, "group.id", group);
+    set_property(conf, "auto.offset.reset", "earliest");
+    for (const auto& [k, v] : properties) set_property(conf, k, v);
+    // Only the tracker's committable offsets are stored, and committed by their owner.
+    set_property(conf, "enable.auto.commit", "false");
+    set_property(conf, "enable.auto.offset.store", "false");
+  } catch (...) {
+    rd_kafka_conf_destroy(conf);
+    throw;
+  }
+  rd_kafka_conf_set_rebalance_cb(conf, rebalance);
+  rd_kafka_conf_set_offset_commit_cb(conf, commit);
+  rd_kafka_conf_set_opaque(conf, opaque);
+  char err[512];
+  rd_kafka_t* rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof err);
+  if (!rk) {
+    rd_kafka_conf_destroy(conf);
+    throw kafka_error(fmt::format("kafka consumer: {}", err), RD_KAFKA_RESP_ERR__INVALID_ARG, false);
+  }
+  rd_kafka_poll_set_consumer(rk);
+  PartitionList list(rd_kafka_topic_partition_list_new(static_cast<int>(topics.size())),
+                     &rd_kafka_topic_partition_list_destroy);
+  for (const std::string& t : topics) rd_kafka_topic_partition_list_add(list.get(), t.c_str(), RD_KAFKA_PARTITION_UA);
+  if (const auto e = rd_kafka_subscribe(rk, list.get())) {
+    rd_kafka_destroy(rk);
+    throw kafka_error(fmt::format("kafka subscribe: {}", rd_kafka_err2str(e)), e);
+  }
+  return rk;
+}
+
 RebalanceResult handle_rebalance(rd_kafka_t* rk, rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t* parts,
                                  OffsetTracker& tracker) {
   RebalanceResult r;

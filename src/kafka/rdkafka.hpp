@@ -41,6 +41,16 @@ PartitionList to_list(const std::vector<PartitionOffset>& offsets);
 /// Sets one librdkafka property; throws invalid_options_error with librdkafka's reason.
 void set_property(rd_kafka_conf_t* conf, const std::string& name, const std::string& value);
 
+/// A subscribed group consumer committing only what its owner stores: bootstrap.servers, group.id,
+/// auto.offset.reset=earliest, then `properties`, then auto commit and offset store forced off;
+/// `rebalance` and `commit` called with `opaque`. Throws invalid_options_error, kafka_error.
+rd_kafka_t* new_group_consumer(const std::string& brokers, const std::string& group,
+                               const std::map<std::string, std::string>& properties,
+                               const std::vector<std::string>& topics,
+                               void (*rebalance)(rd_kafka_t*, rd_kafka_resp_err_t, rd_kafka_topic_partition_list_t*, void*),
+                               void (*commit)(rd_kafka_t*, rd_kafka_resp_err_t, rd_kafka_topic_partition_list_t*, void*),
+                               void* opaque);
+
 /// What handle_rebalance did.
 struct RebalanceResult {
   bool assigned = false;                   ///< Partitions were assigned (else revoked, lost or an error).

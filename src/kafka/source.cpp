@@ -73,37 +73,8 @@ int to_ms(Clock::duration d) {
 struct Source::Impl {
   explicit Impl(SourceOptions o) : opts(std::move(o)) {
     check_options(opts);
-    rd_kafka_conf_t* conf = rd_kafka_conf_new();
-    try {
-      set_property(conf, "bootstrap.servers", opts.brokers);
-      set_property(conf, "group.id", opts.group);
-      set_property(conf, "auto.offset.reset", "earliest");
-      for (const auto& [k, v] : opts.properties) set_property(conf, k, v);
-      // Only the tracker's committable offsets are stored, and committed by this source.
-      set_property(conf, "enable.auto.commit", "false");
-      set_property(conf, "enable.auto.offset.store", "false");
-    } catch (...) {
-      rd_kafka_conf_destroy(conf);
-      throw;
-    }
-    rd_kafka_conf_set_rebalance_cb(conf, &Impl::rebalance_cb);
-    rd_kafka_conf_set_offset_commit_cb(conf, &Impl::commit_cb);
-    rd_kafka_conf_set_opaque(conf, this);
-    char err[512];
-    rk = rd_kafka_new(RD_KAFKA_CONSUMER, conf, err, sizeof err);
-    if (!rk) {
-      rd_kafka_conf_destroy(conf);
-      throw kafka_error(fmt::format("kafka consumer: {}", err), RD_KAFKA_RESP_ERR__INVALID_ARG, false);
-    }
-    rd_kafka_poll_set_consumer(rk);
-    PartitionList topics(rd_kafka_topic_partition_list_new(static_cast<int>(opts.topics.size())),
-                         &rd_kafka_topic_partition_list_destroy);
-    for (const std::string& t : opts.topics)
-      rd_kafka_topic_partition_list_add(topics.get(), t.c_str(), RD_KAFKA_PARTITION_UA);
-    if (const auto e = rd_kafka_subscribe(rk, topics.get())) {
-      rd_kafka_destroy(rk);
-      throw kafka_error(fmt::format("kafka subscribe: {}", rd_kafka_err2str(e)), e);
-    }
+    rk = new_group_consumer(opts.brokers, opts.group, opts.properties, opts.topics, &Impl::rebalance_cb,
+                            &Impl::commit_cb, this);
   }
 
   ~Impl() {
