@@ -1,4 +1,5 @@
-// RedisStreamsPublisher: XADD of each outbox message over one connection, pipelined.
+// RedisStreamsPublisher: XADD of each outbox message over one connection, pipelined; on a Redis
+// Cluster each XADD routed to its stream's master.
 
 #include "idem/outbox/redis_streams_publisher.hpp"
 
@@ -27,10 +28,6 @@ using detail::redis::ReplyPtr;
 
 RedisStreamsPublisherOptions checked(RedisStreamsPublisherOptions o) {
   o.redis = detail::redis::resolve_options(std::move(o.redis));
-  if (!o.redis.cluster_nodes.empty())
-    throw invalid_options_error(
-        "idem: RedisStreamsPublisher speaks to one Redis server (redis://, rediss://, unix:// or "
-        "redis-sentinel://); a Redis Cluster is not supported by this publisher");
   return o;
 }
 
@@ -46,6 +43,33 @@ struct RedisStreamsPublisher::Impl {
   void close() noexcept { link = Link{}; }
 
   std::string where() const { return factory->where(); }
+
+  // A Redis Cluster: each XADD goes to the master of its stream's slot (the stores' routing,
+  // following MOVED / ASK), one at a time in the batch's order, so a key's messages keep theirs.
+  void publish_clustered(std::span<const OutboxMessage> batch) {
+    for (const OutboxMessage& m : batch) {
+      const std::string stream = opt.stream_prefix + m.destination;
+      ReplyPtr r;
+      try {
+        r = factory->call(xadd(stream, m).format(), "XADD", factory->slot_of({stream}));
+      } catch (const error& e) {
+        throw publish_error(fmt::format("idem: redis-streams publisher: {}", e.what()), e.retryable());
+      }
+      if (r->type == REDIS_REPLY_ERROR)
+        throw publish_error(fmt::format("idem: redis-streams publisher (cluster): XADD {}: {}", stream,
+                                        std::string_view(r->str, r->len)),
+                            true);
+    }
+  }
+
+  Command xadd(const std::string& stream, const OutboxMessage& m) const {
+    Command cmd;
+    cmd.arg("XADD").arg(stream);
+    if (opt.maxlen > 0) cmd.arg("MAXLEN").arg("~").arg(std::to_string(opt.maxlen));
+    cmd.arg("*").arg("id").arg(m.id).arg("key").arg(m.message_key).arg("payload").arg(m.payload);
+    for (const auto& [name, value] : m.headers) cmd.arg("h:" + name).arg(value);
+    return cmd;
+  }
 
   [[noreturn]] void broken(const std::string& what) {
     const int err = errno;
@@ -80,22 +104,10 @@ struct RedisStreamsPublisher::Impl {
 
   void publish(std::span<const OutboxMessage> batch) {
     if (batch.empty()) return;
+    if (factory->clustered()) return publish_clustered(batch);
     connect();
     Pipeline xadds;
-    const std::string maxlen = std::to_string(opt.maxlen);
-    for (const OutboxMessage& m : batch) {
-      const std::string stream = opt.stream_prefix + m.destination;
-      Command cmd;
-      cmd.arg("XADD").arg(stream);
-      if (opt.maxlen > 0) cmd.arg("MAXLEN").arg("~").arg(maxlen);
-      cmd.arg("*").arg("id").arg(m.id).arg("key").arg(m.message_key).arg("payload").arg(m.payload);
-      std::vector<std::string> names;
-      names.reserve(m.headers.size());
-      for (const auto& [name, value] : m.headers) names.push_back("h:" + name);
-      std::size_t i = 0;
-      for (const auto& [name, value] : m.headers) cmd.arg(names[i++]).arg(value);
-      xadds.add(cmd.format());
-    }
+    for (const OutboxMessage& m : batch) xadds.add(xadd(opt.stream_prefix + m.destination, m).format());
     if (link.write(xadds.all()) != xadds.all().size()) broken("connection lost while sending XADD");
     std::string first_error;
     bool demoted = false;  // a master demoted under us (Sentinel) answered READONLY
@@ -120,7 +132,11 @@ struct RedisStreamsPublisher::Impl {
 RedisStreamsPublisher::RedisStreamsPublisher(RedisStreamsPublisherOptions options)
     : impl_(std::make_unique<Impl>()) {
   impl_->opt = checked(std::move(options));
-  impl_->factory = std::make_unique<Client>(impl_->opt.redis, Client::FactoryOnly{});
+  // On a cluster a routing Client (it maps the slots now: a wrong seed list fails here); otherwise
+  // a factory that connects at the first publish.
+  impl_->factory = impl_->opt.redis.cluster_nodes.empty()
+                       ? std::make_unique<Client>(impl_->opt.redis, Client::FactoryOnly{})
+                       : std::make_unique<Client>(impl_->opt.redis);
 }
 
 RedisStreamsPublisher::~RedisStreamsPublisher() = default;

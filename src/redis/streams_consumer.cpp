@@ -1,5 +1,7 @@
 // StreamsConsumer: XAUTOCLAIM, XREADGROUP, XACK and dead letters over one pooled connection of a
 // Client (the stores' connection factory: TLS, AUTH, SELECT, Sentinel), plain commands of its own.
+// On a Redis Cluster every command names the stream (and the dead-letter stream, in its slot), so
+// each goes to the master of the stream's slot, following MOVED / ASK like the stores' calls.
 
 #include "idem/redis/streams_consumer.hpp"
 
@@ -11,6 +13,7 @@
 
 #include "client.hpp"
 #include "idem/core/hex.hpp"
+#include "idem/redis/hash_slot.hpp"
 
 namespace idem {
 
@@ -32,9 +35,6 @@ StreamsConsumerOptions checked(StreamsConsumerOptions o) {
   auto bad = [](const char* field, const std::string& why) {
     throw invalid_options_error(fmt::format("idem: StreamsConsumerOptions::{} {}", field, why));
   };
-  if (!o.redis.cluster_nodes.empty())
-    bad("redis", "is a Redis Cluster URL; a StreamsConsumer reads one server (redis://, rediss://, unix://, "
-                 "redis-sentinel://)");
   if (o.stream.empty()) bad("stream", "is empty: name the stream to read");
   if (o.group.empty()) bad("group", "is empty: name the consumer group");
   if (o.consumer.empty()) bad("consumer", "is empty: give each live consumer a name of its own");
@@ -44,8 +44,21 @@ StreamsConsumerOptions checked(StreamsConsumerOptions o) {
                              "while the server is still waiting",
                              o.block.count(), o.redis.command_timeout.count()));
   if (o.claim_idle.count() < 1) bad("claim_idle", "must be positive (keep it at least the guard's lease)");
-  if (o.dead_letter.empty()) o.dead_letter = o.stream + ":dlq";
   if (o.dead_letter == o.stream) bad("dead_letter", "is the stream itself");
+  if (o.dead_letter.empty()) {
+    o.dead_letter = o.stream + ":dlq";
+    // On a cluster the letter and the ack are one script, so both keys must share a slot: a stream
+    // named without a hash tag gets its letters in "{stream}:dlq", which hashes as the stream does.
+    if (!o.redis.cluster_nodes.empty() && redis_hash_slot(o.dead_letter) != redis_hash_slot(o.stream))
+      o.dead_letter = "{" + o.stream + "}:dlq";
+  }
+  if (!o.redis.cluster_nodes.empty() && redis_hash_slot(o.dead_letter) != redis_hash_slot(o.stream))
+    bad("dead_letter",
+        fmt::format("('{}') hashes to slot {} and the stream ('{}') to slot {}: on a Redis Cluster the dead "
+                    "letter and the ack are one script, so give both names the same hash tag (e.g. {{orders}} and "
+                    "{{orders}}:dlq), or leave dead_letter empty",
+                    printable(o.dead_letter), redis_hash_slot(o.dead_letter), printable(o.stream),
+                    redis_hash_slot(o.stream)));
   return o;
 }
 
@@ -79,12 +92,15 @@ struct StreamsConsumer::Impl {
   std::chrono::steady_clock::time_point next_claim{};
   std::vector<StreamEntry> polled;  // the last batch poll() returned, for settle(verdicts)
 
-  explicit Impl(StreamsConsumerOptions o) : opt(checked(std::move(o))), client(opt.redis) {}
+  int slot;  // on a cluster, the stream's slot (every command goes to its master); -1 otherwise
+
+  explicit Impl(StreamsConsumerOptions o)
+      : opt(checked(std::move(o))), client(opt.redis), slot(client.slot_of({opt.stream})) {}
 
   // One command; an error reply is a store_error naming it (retryable when the server says it is
   // loading or a replica: a failover in progress).
   ReplyPtr call(Command& cmd, const char* what) {
-    ReplyPtr r = client.call(cmd.format(), what);
+    ReplyPtr r = client.call(cmd.format(), what, slot);
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string t = text(r.get());
       const bool transient = t.rfind("LOADING", 0) == 0 || t.rfind("READONLY", 0) == 0 || t.rfind("TRYAGAIN", 0) == 0;
@@ -98,7 +114,7 @@ struct StreamsConsumer::Impl {
   void create_group() {
     Command cmd;
     cmd.arg("XGROUP").arg("CREATE").arg(opt.stream).arg(opt.group).arg("0").arg("MKSTREAM");
-    ReplyPtr r = client.call(cmd.format(), "XGROUP CREATE");
+    ReplyPtr r = client.call(cmd.format(), "XGROUP CREATE", slot);
     if (r->type == REDIS_REPLY_ERROR && text(r.get()).rfind("BUSYGROUP", 0) != 0)
       throw store_error(fmt::format("idem: XGROUP CREATE of group '{}' on stream '{}' failed: {}", printable(opt.group),
                                     printable(opt.stream), text(r.get())),

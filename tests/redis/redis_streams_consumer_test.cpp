@@ -81,9 +81,6 @@ TEST_CASE("StreamsConsumer: bad options are refused at construction, naming the 
   x = o;
   x.dead_letter = x.stream;
   refused(x, "dead_letter");
-  x = o;
-  x.redis = idem::parse_redis_url("redis-cluster://127.0.0.1:1,127.0.0.1:2");
-  refused(x, "redis");
 }
 
 TEST_CASE("StreamsConsumer: ack, dead letter once, a requeued entry resumed by a restart and taken over after claim_idle") {

@@ -14,9 +14,9 @@ namespace idem {
 
 /// Options of a RedisStreamsPublisher.
 struct RedisStreamsPublisherOptions {
-  /// The server: `url` (redis://, rediss://, unix://, redis-sentinel://) or the fields, connected
-  /// through the stores' connection factory (TLS and its checks, AUTH, SELECT, Sentinel); a
-  /// cluster is refused (invalid_options_error).
+  /// The server: `url` (redis://, rediss://, unix://, redis-sentinel://, redis-cluster://) or the
+  /// fields, connected through the stores' connection factory (TLS and its checks, AUTH, SELECT,
+  /// Sentinel); on a cluster each XADD goes to its stream's master, one at a time.
   RedisOptions redis;
   /// Prepended to every message's destination to name its stream ("" = the destination as is).
   std::string stream_prefix;
@@ -30,11 +30,12 @@ struct RedisStreamsPublisherOptions {
  * `payload`, then each header as `h:<name>` / value. publish() returns once Redis answered every
  * XADD; any error (server down, timeout, an error reply) is a publish_error and the relay
  * publishes the batch again later: entries of a failed batch may be in the stream twice, with
- * the same `id`. One connection, reconnected on demand; one thread at a time (the relay's).
+ * the same `id`. One connection (a cluster: one per master), reconnected on demand; one thread at
+ * a time (the relay's).
  */
 class RedisStreamsPublisher final : public OutboxPublisher {
  public:
-  /// Checks the options (invalid_options_error); connects lazily, at the first publish.
+  /// Checks the options (invalid_options_error); connects lazily, at the first publish (a cluster: now, to map its slots).
   explicit RedisStreamsPublisher(RedisStreamsPublisherOptions options);
   ~RedisStreamsPublisher() override;                                 ///< Closes the connection.
   RedisStreamsPublisher(const RedisStreamsPublisher&) = delete;             ///< Owns a connection.

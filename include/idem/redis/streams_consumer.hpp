@@ -44,14 +44,14 @@ struct StreamDecision {
 
 /// Settings of a StreamsConsumer; checked at construction (invalid_options_error names the field).
 struct StreamsConsumerOptions {
-  RedisOptions redis;        ///< the stream's server: redis://, rediss://, unix://, redis-sentinel:// (not a cluster)
+  RedisOptions redis;        ///< the stream's server: redis://, rediss://, unix://, redis-sentinel://, redis-cluster://
   std::string stream;        ///< the stream key (required)
   std::string group;         ///< the consumer group (required)
   std::string consumer;      ///< this consumer's name in the group (required, unique per live consumer)
   std::size_t count = 32;    ///< entries per read, 1..10000
   millis block{1000};        ///< how long a read waits for new entries; below redis.command_timeout
   millis claim_idle{30000};  ///< entries pending this long (their consumer died) are taken over; keep it >= the guard's lease
-  std::string dead_letter;   ///< the dead-letter stream (default: `<stream>:dlq`)
+  std::string dead_letter;   ///< the dead-letter stream (default `<stream>:dlq`; on a cluster, in the stream's slot: `{<stream>}:dlq` unless the name has a hash tag)
   bool create_group = true;  ///< create the group (at the stream's start, MKSTREAM) when missing
 };
 
