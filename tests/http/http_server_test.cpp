@@ -130,8 +130,8 @@ void draft_cases(const std::string& store) {
 
   // Bad input: a clear 4xx, and the key is not taken (its first valid use runs).
   const std::string token = unique("tok");
-  CHECK(post(port, token, charge).status == 400);  // a token, not a string
-  CHECK(post(port, "123", charge).status == 400);  // an integer
+  CHECK(post(port, "a b", charge).status == 400);     // unquoted with a space
+  CHECK(post(port, "\"a\";p=1", charge).status == 400);  // parameters
   const Reply too_long = post(port, quoted(std::string(256, 'k')), charge);
   CHECK(too_long.status == 400);
   CHECK_THAT(too_long.body, Catch::Contains("longer than 255"));
@@ -140,6 +140,13 @@ void draft_cases(const std::string& store) {
   CHECK(big.status == 413);
   CHECK(post(port, quoted(token), charge).header("Idempotent-Replayed").empty());
   CHECK(post(port, quoted(huge), charge).header("Idempotent-Replayed").empty());
+  // A bare key (accept_bare_keys, the default: what most SDKs send) is the same key as its quoted form.
+  const Reply bare = post(port, token, charge);
+  CHECK(bare.status == 201);
+  CHECK(bare.header("Idempotent-Replayed") == "true");
+  const std::string uuid = "8e03978e-40d5-43e8-bc93-" + unique("u").substr(0, 12);
+  CHECK(post(port, uuid, charge).status == 201);
+  CHECK(post(port, uuid, charge).header("Idempotent-Replayed") == "true");
 
   // Expiry (retention 2 s): the key is free again and runs anew.
   std::this_thread::sleep_until(expires);

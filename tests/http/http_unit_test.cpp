@@ -50,9 +50,27 @@ TEST_CASE("http key: an sf-string is unquoted and unescaped") {
   CHECK(parse_idempotency_key(R"("x")", 1).ok());
 }
 
-TEST_CASE("http key: anything but one printable sf-string is refused, saying why") {
+TEST_CASE("http key: a bare key (a token, a UUID) is the key itself, unless accept_bare is off") {
+  CHECK(parse_idempotency_key("abc", 255).key == "abc");
+  CHECK(parse_idempotency_key(" 8e03978e-40d5-43e8-bc93-6e7f2b1c9a10 ", 255).key == "8e03978e-40d5-43e8-bc93-6e7f2b1c9a10");
+  CHECK(parse_idempotency_key("key_1.x~!#$%&'*+^`|", 255).key == "key_1.x~!#$%&'*+^`|");
+  CHECK(parse_idempotency_key("abc", 255).key == parse_idempotency_key("\"abc\"", 255).key);
   auto why = [](std::string_view f, std::size_t max = 255) {
     const auto p = parse_idempotency_key(f, max);
+    CHECK_FALSE(p.ok());
+    return p.error;
+  };
+  CHECK_THAT(why("a b"), Catch::Contains("quote the key"));
+  CHECK_THAT(why("caf\xc3\xa9"), Catch::Contains("quote the key"));
+  CHECK_THAT(why("a,b"), Catch::Contains("more than one"));
+  CHECK_THAT(why("a;p=1"), Catch::Contains("parameters"));
+  CHECK_THAT(why(std::string(256, 'k')), Catch::Contains("longer than 255"));
+  CHECK_THAT(parse_idempotency_key("abc", 255, false).error, Catch::Contains("a token"));
+}
+
+TEST_CASE("http key: with accept_bare off, anything but one printable sf-string is refused, saying why") {
+  auto why = [](std::string_view f, std::size_t max = 255) {
+    const auto p = parse_idempotency_key(f, max, false);
     CHECK_FALSE(p.ok());
     return p.error;
   };
@@ -131,8 +149,8 @@ TEST_CASE("http endpoint: missing, invalid and oversized input answers 4xx and s
   CHECK(missing.status == 400);
   CHECK(missing.header("Content-Type") == "application/problem+json");
   CHECK_THAT(missing.body, Catch::Contains("missing-key") && Catch::Contains("kept for 10 s"));
-  CHECK(f.answer(post("123")).status == 400);
-  CHECK(f.answer(post("tok")).status == 400);
+  CHECK(f.answer(post("1 23")).status == 400);
+  CHECK(f.answer(post("t\"ok")).status == 400);
   const std::string big(2 << 20, 'b');
   const Response too_big = f.answer(post("\"big\"", big));
   CHECK(too_big.status == 413);
@@ -236,7 +254,7 @@ TEST_CASE("http endpoint: every guard answer and exception kind has its status c
   CHECK((retry_after == "1" || retry_after == "2"));  // whole seconds, at least 1, at most the doubled base
   CHECK(ran == 0);
   // A bad key: 400, nothing stored.
-  CHECK(f.answer(post("no-quotes")).status == 400);
+  CHECK(f.answer(post("no quotes")).status == 400);
 }
 
 TEST_CASE("http endpoint: a response over the stored limit reaches its caller, retries get a problem") {

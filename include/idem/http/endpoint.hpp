@@ -29,6 +29,8 @@ namespace idem::http {
 struct HttpOptions {
   /// A request without Idempotency-Key answers 400; false = it runs unguarded.
   bool require_key = true;
+  /// Accept an unquoted key (`Idempotency-Key: 8e03978e-...`, as most SDKs send) beside the draft's quoted sf-string.
+  bool accept_bare_keys = true;
   /// Longest key accepted, in characters once unescaped; 1.. (a longer one answers 400).
   std::size_t max_key_length = 255;
   /// Largest request body accepted; a larger one answers 413 before anything is stored.
@@ -158,12 +160,13 @@ class Endpoint {
     if (!req.has("Idempotency-Key")) {
       if (o_.require_key)
         return problem(o_, 400, "missing-key", "Idempotency-Key required",
-                       fmt::format("this endpoint requires an Idempotency-Key header holding a quoted unique string "
-                                   "(\"...\"); keys are kept for {} s",
+                       fmt::format("this endpoint requires an Idempotency-Key header holding a unique key{}; "
+                                   "keys are kept for {} s",
+                                   o_.accept_bare_keys ? " (a UUID, or a quoted string \"...\")" : ", quoted (\"...\")",
                                    guard_->options().retention.count() / 1000));
       return unguarded(req, handler);
     }
-    const KeyParse parsed = parse_idempotency_key(req.field("Idempotency-Key"), o_.max_key_length);
+    const KeyParse parsed = parse_idempotency_key(req.field("Idempotency-Key"), o_.max_key_length, o_.accept_bare_keys);
     if (!parsed.ok()) return problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", parsed.error);
     const std::string key = store_key(req.scope, parsed.key);
     const std::string payload =
