@@ -51,7 +51,7 @@ struct RedisStreamsPublisher::Impl {
       const std::string stream = opt.stream_prefix + m.destination;
       ReplyPtr r;
       try {
-        r = factory->call(xadd(stream, m).format(), "XADD", factory->slot_of({stream}));
+        r = factory->call(xadd(m).format(), "XADD", factory->slot_of({stream}));
       } catch (const error& e) {
         throw publish_error(fmt::format("idem: redis-streams publisher: {}", e.what()), e.retryable());
       }
@@ -62,12 +62,13 @@ struct RedisStreamsPublisher::Impl {
     }
   }
 
-  Command xadd(const std::string& stream, const OutboxMessage& m) const {
+  // The XADD of `m`: views of m's fields (m must outlive format()), the composed parts copied.
+  Command xadd(const OutboxMessage& m) const {
     Command cmd;
-    cmd.arg("XADD").arg(stream);
-    if (opt.maxlen > 0) cmd.arg("MAXLEN").arg("~").arg(std::to_string(opt.maxlen));
+    cmd.arg("XADD").joined({opt.stream_prefix, m.destination});
+    if (opt.maxlen > 0) cmd.arg("MAXLEN").arg("~").arg(opt.maxlen);
     cmd.arg("*").arg("id").arg(m.id).arg("key").arg(m.message_key).arg("payload").arg(m.payload);
-    for (const auto& [name, value] : m.headers) cmd.arg("h:" + name).arg(value);
+    for (const auto& [name, value] : m.headers) cmd.joined({"h:", name}).arg(value);
     return cmd;
   }
 
@@ -107,7 +108,7 @@ struct RedisStreamsPublisher::Impl {
     if (factory->clustered()) return publish_clustered(batch);
     connect();
     Pipeline xadds;
-    for (const OutboxMessage& m : batch) xadds.add(xadd(opt.stream_prefix + m.destination, m).format());
+    for (const OutboxMessage& m : batch) xadds.add(xadd(m).format());
     if (link.write(xadds.all()) != xadds.all().size()) broken("connection lost while sending XADD");
     std::string first_error;
     bool demoted = false;  // a master demoted under us (Sentinel) answered READONLY
