@@ -104,6 +104,10 @@ inline std::string seconds_up(millis d) { return std::to_string(std::max<long lo
 
 }  // namespace detail
 
+namespace detail {
+struct async_endpoint;  // handle_async's access (idem/http/async.hpp)
+}  // namespace detail
+
 /**
  * Makes one HTTP route idempotent under the Idempotency-Key header, on any idem store. Thread-safe
  * (share one per route); the guard must outlive it and use FailureMode::release, so that an answer
@@ -153,64 +157,112 @@ class Endpoint {
   /// exceptions answer 500 and store errors 503 (with Retry-After) or 500; the key is released.
   template <class F>
   Response handle(const Request& req, F&& handler) {
-    if (req.body.size() > o_.max_request_body_bytes)
-      return problem(o_, 413, "body-too-large", "Content Too Large",
-                     fmt::format("the request body is {} bytes, over the limit of {}", req.body.size(),
-                                 o_.max_request_body_bytes));
+    Admission a = admit(req);
+    if (a.answer) return std::move(*a.answer);
+    if (a.unguarded) return unguarded(req, handler);
+    RunState st;
+    auto run = [&](const context_type& ctx) -> detail::Stored { return stored(call(handler, req, ctx), st); };
+    try {
+      auto out = o_.fingerprint ? guard_->run(a.key, a.payload, run) : guard_->run(a.key, run);
+      return settle(out, st);
+    } catch (...) {
+      return failed(std::current_exception(), st);
+    }
+  }
+
+  /// The options in force.  /// The options in force.
+  [[nodiscard]] const HttpOptions& options() const noexcept { return o_; }
+
+ private:
+  friend struct detail::async_endpoint;
+
+  // What a request gets before any handler runs: an answer (4xx), the unguarded run (no key and
+  // !require_key), or the store key and fingerprint payload to run it under.
+  struct Admission {
+    std::optional<Response> answer;
+    bool unguarded = false;
+    std::string key;
+    std::string payload;
+  };
+  // The first caller's answer when it cannot be stored, and headers only the first caller gets.
+  struct RunState {
+    std::optional<Response> ran;
+    std::vector<Header> unstored;
+  };
+
+  Admission admit(const Request& req) const {
+    Admission a;
+    if (req.body.size() > o_.max_request_body_bytes) {
+      a.answer = problem(o_, 413, "body-too-large", "Content Too Large",
+                         fmt::format("the request body is {} bytes, over the limit of {}", req.body.size(),
+                                     o_.max_request_body_bytes));
+      return a;
+    }
     if (!req.has("Idempotency-Key")) {
       if (o_.require_key)
-        return problem(o_, 400, "missing-key", "Idempotency-Key required",
-                       fmt::format("this endpoint requires an Idempotency-Key header holding a unique key{}; "
-                                   "keys are kept for {} s",
-                                   o_.accept_bare_keys ? " (a UUID, or a quoted string \"...\")" : ", quoted (\"...\")",
-                                   guard_->options().retention.count() / 1000));
-      return unguarded(req, handler);
+        a.answer = problem(o_, 400, "missing-key", "Idempotency-Key required",
+                           fmt::format("this endpoint requires an Idempotency-Key header holding a unique key{}; "
+                                       "keys are kept for {} s",
+                                       o_.accept_bare_keys ? " (a UUID, or a quoted string \"...\")" : ", quoted (\"...\")",
+                                       guard_->options().retention.count() / 1000));
+      else
+        a.unguarded = true;
+      return a;
     }
     const KeyParse parsed = parse_idempotency_key(req.field("Idempotency-Key"), o_.max_key_length, o_.accept_bare_keys);
-    if (!parsed.ok()) return problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", parsed.error);
-    const std::string key = store_key(req.scope, parsed.key);
-    const std::string payload =
-        o_.fingerprint ? request_fingerprint_payload(req, o_.fingerprint_headers) : std::string{};
-    std::optional<Response> ran;   // the handler's answer, kept for a result the store could not take
-    std::vector<Header> unstored;  // headers the first caller gets but retries do not (Set-Cookie, ...)
-    auto run = [&](const context_type& ctx) -> detail::Stored {
-      Response r = call(handler, req, ctx);
-      if (!storable(r.status)) {
-        const bool server = r.status >= 500;
-        std::string why = fmt::format("idem::http: the handler answered status {}, which is not stored "
-                                      "(HttpOptions::store_{}_errors is off): the key is released for a retry",
-                                      r.status, server ? "server" : "client");
-        throw detail::not_stored(std::move(r), std::move(why));
-      }
-      unstored = strip(r);
-      if (encoded_size(r) > o_.max_stored_response_bytes) {
-        if (transactional_)  // rolls back: no effect without its answer
-          throw detail::not_stored(too_large(r), fmt::format("idem::http: the response ({} bytes) is over "
-                                                             "max_stored_response_bytes ({}); rolled back, not stored",
-                                                             encoded_size(r), o_.max_stored_response_bytes));
-        ran = r;  // the guard completes the key without it; this caller still gets it
-        ran->headers.insert(ran->headers.end(), unstored.begin(), unstored.end());
-      }
-      return detail::Stored{std::move(r), o_.max_stored_response_bytes};
-    };
+    if (!parsed.ok()) {
+      a.answer = problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", parsed.error);
+      return a;
+    }
+    a.key = store_key(req.scope, parsed.key);
+    if (o_.fingerprint) a.payload = request_fingerprint_payload(req, o_.fingerprint_headers);
+    return a;
+  }
+
+  // The handler's answer as the guard stores it, or not_stored (the key is released).
+  detail::Stored stored(Response r, RunState& st) const {
+    if (!storable(r.status)) {
+      const bool server = r.status >= 500;
+      std::string why = fmt::format("idem::http: the handler answered status {}, which is not stored "
+                                    "(HttpOptions::store_{}_errors is off): the key is released for a retry",
+                                    r.status, server ? "server" : "client");
+      throw detail::not_stored(std::move(r), std::move(why));
+    }
+    st.unstored = strip(r);
+    if (encoded_size(r) > o_.max_stored_response_bytes) {
+      if (transactional_)  // rolls back: no effect without its answer
+        throw detail::not_stored(too_large(r), fmt::format("idem::http: the response ({} bytes) is over "
+                                                           "max_stored_response_bytes ({}); rolled back, not stored",
+                                                           encoded_size(r), o_.max_stored_response_bytes));
+      st.ran = r;  // the guard completes the key without it; this caller still gets it
+      st.ran->headers.insert(st.ran->headers.end(), st.unstored.begin(), st.unstored.end());
+    }
+    return detail::Stored{std::move(r), o_.max_stored_response_bytes};
+  }
+
+  Response settle(Outcome<detail::Stored>& out, RunState& st) {
+    Response r = answer(out);
+    if (out.status == Status::executed || (out.status == Status::lease_lost && !transactional_))
+      r.headers.insert(r.headers.end(), st.unstored.begin(), st.unstored.end());
+    return r;
+  }
+
+  // What a run that threw answers.
+  Response failed(std::exception_ptr e, RunState& st) const {
     try {
-      auto out = o_.fingerprint ? guard_->run(key, payload, run) : guard_->run(key, run);
-      Response r = answer(out);
-      if (out.status == Status::executed || (out.status == Status::lease_lost && !transactional_))
-        r.headers.insert(r.headers.end(), unstored.begin(), unstored.end());
-      return r;
+      std::rethrow_exception(std::move(e));
     } catch (detail::not_stored& n) {
       return std::move(n.response);
-    } catch (const result_not_stored_error& e) {
+    } catch (const result_not_stored_error& x) {
       // Lease mode: the effect happened and the key is completed without its answer; this caller
       // still gets the answer, retries get a problem saying so.
-      if (ran) return std::move(*ran);
-      return problem(o_, 500, "response-not-stored", "Response not stored", e.what());
-    } catch (const invalid_key_error& e) {
-      return problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", e.what());
-    } catch (const idem::error& e) {
+      if (st.ran) return std::move(*st.ran);
+      return problem(o_, 500, "response-not-stored", "Response not stored", x.what());
+    } catch (const invalid_key_error& x) {
+      return problem(o_, 400, "invalid-key", "Invalid Idempotency-Key", x.what());
+    } catch (const idem::error& x) {
       // Error texts name hosts and keys: they go to the guard's observer and logs, not to clients.
-      if (e.from_handler() || !e.retryable())
+      if (x.from_handler() || !x.retryable())
         return problem(o_, 500, "internal-error", "Internal Server Error", "the request failed on the server");
       Response r = problem(o_, 503, "store-unavailable", "Service Unavailable",
                            "the idempotency store is unavailable; retry the same request with the same key");
@@ -222,10 +274,10 @@ class Endpoint {
     }
   }
 
-  /// The options in force.
-  [[nodiscard]] const HttpOptions& options() const noexcept { return o_; }
+  Response unguarded_failed() const {
+    return problem(o_, 500, "internal-error", "Internal Server Error", "the request failed on the server");
+  }
 
- private:
   template <class F>
   static Response call(F& handler, const Request& req, const context_type& ctx) {
     if constexpr (std::is_invocable_r_v<Response, F&, const Request&, const context_type&>)
@@ -242,7 +294,7 @@ class Endpoint {
       else
         return handler(req);
     } catch (const std::exception&) {
-      return problem(o_, 500, "internal-error", "Internal Server Error", "the request failed on the server");
+      return unguarded_failed();
     }
   }
 
