@@ -26,6 +26,7 @@
 // pool makes the batch slower, never stuck. Writes of different keys need no order between them,
 // and a batch writes each key once.
 
+#include <algorithm>
 #include <deque>
 #include <optional>
 #include <unordered_map>
@@ -314,10 +315,17 @@ std::vector<WriteStatus> PostgresStore::BatchWriter::finish() {
   m.no_session = false;
   m.no_more_lanes = false;
   bool sync_cut = false;
-  for (const auto& r : replies) sync_cut = sync_cut || r.sync_cut;
+  millis cancelled_after{0};  // the bound of idem's own cancel, when one cut a wait
+  const auto note_cuts = [&] {
+    for (const auto& r : replies) {
+      sync_cut = sync_cut || r.sync_cut;
+      if (r.sync_cut) cancelled_after = std::max(cancelled_after, r.cancelled_after);
+    }
+  };
+  note_cuts();
   m.store->settle(calls, replies, "batch write", true);
-  for (const auto& r : replies) sync_cut = sync_cut || r.sync_cut;
-  if (sync_cut) detail::throw_sync_cancelled("batch write");
+  note_cuts();
+  if (sync_cut) detail::throw_sync_cancelled("batch write", cancelled_after);
   std::vector<WriteStatus> out;
   out.reserve(replies.size());
   for (std::size_t i = 0; i < replies.size(); ++i) {

@@ -42,19 +42,23 @@ Reply send(StoreImpl& store, Stmt st, const Params& p, std::string_view what) {
     out.why = first_line(PQerrorMessage(c));
     return out;
   }
-  // One statement, one result; read to the end so the session is idle again when returned.
-  while (PGresult* r = PQgetResult(c)) {
-    if (ResultAccess::native(out.result) == nullptr)
-      out.result = ResultAccess::wrap(r);
-    else
-      PQclear(r);
+  // One statement, one result; read to the end so the session is idle again when returned. It
+  // commits (every store statement writes, an acquire too): its answer is bounded, not left to a
+  // wait for a synchronous standby that may never end.
+  const millis bound = commit_bound(store.client.options());
+  if (!read_answer(*s.get(), bound, out.result)) {
+    s.healthy(false);
+    out.result = PostgresResult{};
+    out.fate = Fate::in_doubt;
+    out.why = fmt::format("no answer {} ms after a cancel", bound.count());
+    return out;
   }
   const PGresult* r = ResultAccess::native(out.result);
   // A write whose commit stopped waiting for its synchronous standby answered success (or the
   // session died right after, on a shutdown): either way it may be on the primary alone.
   if (s.get()->sync_cancelled) {
     s.healthy(PQstatus(c) == CONNECTION_OK);
-    throw_sync_cancelled(what);
+    throw_sync_cancelled(what, s.get()->cancelled_after);
   }
   if (PQstatus(c) == CONNECTION_OK) {
     // An error without a SQLSTATE on a live session is libpq's own (out of memory, ...).
@@ -132,8 +136,11 @@ Reply Pipeline::next() {
   }
   PGconn* c = conn_->pg;
   // The request's result, the null that ends it, then its sync: only with the sync has its
-  // transaction ended (committed, or rolled back after an error).
-  PGresult* r = PQgetResult(c);
+  // transaction ended (committed, or rolled back after an error). Its commit runs at the sync, so
+  // the wait for a synchronous standby (and the server's warning that it was cut) comes before it.
+  const millis bound = commit_bound(store_->client.options());
+  bool gave_up = !await_answer(*conn_, bound);
+  PGresult* r = gave_up ? nullptr : PQgetResult(c);
   if (r) {
     out.result = ResultAccess::wrap(r);
     for (int guard = 0; guard < 4; ++guard) {  // one statement, one result: more would be a protocol surprise
@@ -142,13 +149,15 @@ Reply Pipeline::next() {
       PQclear(extra);
     }
   }
-  if (conn_->sync_cancelled) {  // this request's commit (the notice precedes its answer)
-    out.sync_cut = true;
-    conn_->sync_cancelled = false;
-  }
-  PGresult* sync = r ? PQgetResult(c) : nullptr;
+  if (r && !await_answer(*conn_, bound)) gave_up = true;
+  PGresult* sync = r && !gave_up ? PQgetResult(c) : nullptr;
   const bool synced = sync && PQresultStatus(sync) == PGRES_PIPELINE_SYNC;
   PQclear(sync);
+  if (conn_->sync_cancelled) {  // this request's commit
+    out.sync_cut = true;
+    out.cancelled_after = conn_->cancelled_after;
+    conn_->sync_cancelled = false;
+  }
   const PGresult* res = ResultAccess::native(out.result);
   // An error without a SQLSTATE on a live session is libpq's own (out of memory, ...): the
   // pipeline's state is unknown, so the session is given up like a dead one.
@@ -156,7 +165,8 @@ Reply Pipeline::next() {
   if (read_only_answer(res)) read_only_ = true;
   if (synced && !libpq_error) return out;  // (even if the session died just after)
   broken_ = true;
-  why_ = first_line(res && *PQresultErrorMessage(res) ? PQresultErrorMessage(res) : PQerrorMessage(c));
+  why_ = gave_up ? fmt::format("no answer {} ms after a cancel", bound.count())
+                 : first_line(res && *PQresultErrorMessage(res) ? PQresultErrorMessage(res) : PQerrorMessage(c));
   out.fate = Fate::in_doubt;
   out.why = why_;
   out.result = PostgresResult{};
@@ -238,12 +248,12 @@ std::vector<PostgresResult> StoreImpl::exchange_many(std::span<const Call> calls
     for (Reply& r : replies) r = p.next();
   }  // given back (or dropped) before settle checks out another
   for (const Reply& r : replies)
-    if (r.sync_cut) throw_sync_cancelled(what);
+    if (r.sync_cut) throw_sync_cancelled(what, r.cancelled_after);
   settle(calls, replies, what, writes);
   std::vector<PostgresResult> out;
   out.reserve(replies.size());
   for (Reply& r : replies) {
-    if (r.sync_cut) throw_sync_cancelled(what);
+    if (r.sync_cut) throw_sync_cancelled(what, r.cancelled_after);
     out.push_back(std::move(r.result));
   }
   return out;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <string_view>
 #include <utility>
@@ -42,7 +43,16 @@ void notice(void* arg, const PGresult* r) {
 }
 }  // namespace
 
-void throw_sync_cancelled(std::string_view what) {
+void throw_sync_cancelled(std::string_view what, millis cancelled_after) {
+  if (cancelled_after > millis{0})
+    throw durability_error(
+        fmt::format("idem: postgres {}: no synchronous standby confirmed the commit within {} ms (statement_timeout + "
+                    "PostgresOptions::sync_replication_wait), so idem cancelled the wait: the write is committed on "
+                    "the primary but may be on no standby, so a failover could lose it; do not ack: a redelivery "
+                    "finds the record, or runs again if a failover lost it. To fix: attach a synchronous standby, or "
+                    "change synchronous_standby_names to name only standbys that are connected",
+                    what, cancelled_after.count()),
+        0, 1);
   throw durability_error(
       fmt::format("idem: postgres {}: the server cancelled its wait for a synchronous standby (pg_cancel_backend, "
                   "or a shutdown): the write is committed on the primary but may be on no standby, so a failover "
@@ -51,8 +61,59 @@ void throw_sync_cancelled(std::string_view what) {
       0, 1);
 }
 
+millis commit_bound(const PostgresOptions& o) {
+  if (o.sync_replication_wait <= millis{0}) return millis{0};
+  // Capped so that now() + bound cannot overflow: a year is no bound in practice.
+  constexpr millis cap = std::chrono::hours(24 * 365);
+  return std::min(cap, std::min(cap, o.statement_timeout) + std::min(cap, o.sync_replication_wait));
+}
+
+bool await_answer(Connection& conn, millis bound) {
+  if (bound <= millis{0}) return true;
+  using clock = std::chrono::steady_clock;
+  PGconn* c = conn.pg;
+  constexpr int max_cancels = 2;
+  int cancels = 0;
+  auto deadline = conn.cancelled_after > millis{0} ? clock::now() : clock::now() + bound;
+  for (;;) {
+    // A broken connection is not busy: PQgetResult then says what happened.
+    if (PQconsumeInput(c) == 0 || !PQisBusy(c)) return true;
+    const auto now = clock::now();
+    if (now >= deadline) {
+      if (cancels == max_cancels) return false;  // not even a cancel is answered: the session is lost
+      // Only a cancel ends the wait for a synchronous standby: statement_timeout stops before the
+      // commit, and closing the session would leave the backend waiting with the row locked.
+      if (PGcancel* k = PQgetCancel(c)) {
+        char err[256];
+        (void)PQcancel(k, err, sizeof err);  // when it fails, the next expiry tries again, then gives up
+        PQfreeCancel(k);
+      }
+      ++cancels;
+      if (conn.cancelled_after <= millis{0}) conn.cancelled_after = bound;
+      deadline = clock::now() + bound;
+      continue;
+    }
+    pollfd p{PQsocket(c), POLLIN, 0};
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - now).count();
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, 60'000)));
+    if (rc < 0 && errno != EINTR) return true;  // PQgetResult blocks as it would have
+  }
+}
+
 bool Connection::prepared(std::uint32_t set) const noexcept {
   return std::find(sets.begin(), sets.end(), set) != sets.end();
+}
+
+bool read_answer(Connection& conn, millis bound, PostgresResult& out) {
+  for (;;) {
+    if (!await_answer(conn, bound)) return false;
+    PGresult* r = PQgetResult(conn.pg);
+    if (!r) return true;
+    if (ResultAccess::native(out) == nullptr)
+      out = ResultAccess::wrap(r);
+    else
+      PQclear(r);
+  }
 }
 
 ConnectionTraits::connection ConnectionTraits::connect() {
@@ -96,8 +157,8 @@ bool ConnectionTraits::alive(connection& c) noexcept {
 
 bool ConnectionTraits::reusable(connection& c) noexcept {
   // A server that turned read-only under the session (ALTER SYSTEM + reload) said so with its
-  // last answer: the session would only fail again.
-  if (PQstatus(c->pg) != CONNECTION_OK || read_only_session(c->pg)) return false;
+  // last answer: the session would only fail again. A cancel idem sent could hit its next statement.
+  if (PQstatus(c->pg) != CONNECTION_OK || read_only_session(c->pg) || c->cancelled_after > millis{0}) return false;
   const auto ts = PQtransactionStatus(c->pg);
   if (ts == PQTRANS_IDLE) return true;
   if (ts != PQTRANS_INTRANS && ts != PQTRANS_INERROR) return false;
@@ -114,6 +175,10 @@ PostgresOptions checked(PostgresOptions o) {
     throw invalid_options_error("idem: PostgresOptions::statement_timeout must be >= 0 (0 = no limit)");
   if (o.settle_wait < millis{0})
     throw invalid_options_error("idem: PostgresOptions::settle_wait must be >= 0 (0 = ask for a lost outcome once)");
+  if (o.sync_replication_wait < millis{0})
+    throw invalid_options_error(
+        "idem: PostgresOptions::sync_replication_wait must be >= 0 (0 = a commit waits for a synchronous standby as "
+        "long as the server does)");
   check_conninfo(o.conninfo);
   return o;
 }

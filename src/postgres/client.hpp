@@ -34,11 +34,37 @@ struct Connection {
   // The server warned that it cancelled a commit's wait for synchronous replication: that commit
   // is on the primary only. Set by the notice receiver; cleared before each request.
   bool sync_cancelled = false;
+  // The bound after which await_answer cancelled a request here (0: never). A cancel can land on
+  // whatever the session runs next, so such a session is never given back (ConnectionTraits::reusable).
+  millis cancelled_after{0};
 };
 
-// The answer to a commit whose wait for a synchronous standby was cut short (pg_cancel_backend,
-// a server shutting down): durability_error, since the write holds on the primary alone.
-[[noreturn]] void throw_sync_cancelled(std::string_view what);
+// The answer to a commit whose wait for a synchronous standby was cut short: durability_error,
+// since the write holds on the primary alone. `cancelled_after` > 0: idem cancelled it after that
+// long (await_answer); 0: someone else did (pg_cancel_backend, a server shutting down).
+[[noreturn]] void throw_sync_cancelled(std::string_view what, millis cancelled_after);
+
+// How long a round trip that can commit may go unanswered before await_answer cancels it:
+// statement_timeout + sync_replication_wait (a statement running up to statement_timeout is not
+// cut, a commit held in the wait for a synchronous standby is); 0 = no bound. statement_timeout 0
+// (none) counts as 0: the store's own statements are short, and the bound is what keeps a consumer
+// thread from waiting on a standby forever.
+millis commit_bound(const PostgresOptions& o);
+
+// Waits until the next PQgetResult on `c` will not block, for the one request (or pipelined
+// request) that may commit. Past `bound` (> 0) it sends the server a cancel, which ends a wait for
+// synchronous replication with a WARNING (Connection::sync_cancelled: committed on the primary
+// only) and a statement still running with 57014 (rolled back); past `bound` again it cancels once
+// more, and then gives up: false, the session must be dropped and the request is in doubt. A
+// session already cancelled cancels at once: its call fails anyway, and each write queued behind
+// the first would otherwise wait its own `bound`. bound 0: returns true at once (PQgetResult
+// blocks as long as the server takes).
+[[nodiscard]] bool await_answer(Connection& c, millis bound);
+
+// Reads every result of the one request in flight on `conn` outside pipeline mode, each awaited
+// with await_answer (the commit runs at the request's end, after its result), keeping the first in
+// `out`; false when await_answer gave up.
+[[nodiscard]] bool read_answer(Connection& conn, millis bound, PostgresResult& out);
 
 // Pool<Traits> over libpq sessions (src/common/pool.hpp).
 struct ConnectionTraits {

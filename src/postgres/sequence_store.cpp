@@ -158,7 +158,20 @@ struct PostgresSequenceStore::Impl {
     int n = 0;
     for (const std::string* p : params) vals[static_cast<std::size_t>(n++)] = p->c_str();
     detail::Session s(client.pool());
-    PostgresResult r = detail::exec_text(s.pg(), sql, vals.data(), n);
+    detail::Connection& conn = *s.get();
+    conn.sync_cancelled = false;
+    // An advance or erase commits: bounded as the stores' writes are (detail::await_answer).
+    PostgresResult r;
+    const millis bound = detail::commit_bound(client.options());
+    if (PQsendQueryParams(s.pg(), sql.c_str(), n, nullptr, vals.data(), nullptr, nullptr, 0) != 1 ||
+        !detail::read_answer(conn, bound, r)) {
+      s.healthy(false);
+      const std::string why = conn.cancelled_after > millis{0}
+                                  ? fmt::format("no answer {} ms after a cancel", bound.count())
+                                  : detail::first_line(PQerrorMessage(s.pg()));
+      throw connection_error(fmt::format("idem: postgres {} failed: {} (connection lost)", what, why), "08006", true);
+    }
+    if (conn.sync_cancelled) detail::throw_sync_cancelled(what, conn.cancelled_after);
     if (!detail::result_ok(ResultAccess::native(r)))
       detail::throw_result(what, ResultAccess::native(r), s.pg(), sequence_missing);
     return r;

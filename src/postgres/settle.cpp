@@ -109,7 +109,7 @@ WriteStatus StoreImpl::settle_commit(std::string_view key, const Holder& h, cons
                     "transaction did not commit ({}): nothing was written, a redelivery runs it again",
                     why, not_committed),
         code, true);
-  if (sync_wait) throw_sync_cancelled("commit (answer lost while waiting for a synchronous standby)");
+  if (sync_wait) throw_sync_cancelled("commit (answer lost while waiting for a synchronous standby)", millis{0});
   throw outcome_unknown_error(fmt::format("idem: the connection to PostgreSQL was lost during COMMIT ({}) and its "
                                           "outcome could not be read within settle_wait ({}): the transaction may or "
                                           "may not have committed: check the record (inspect) before redelivering",

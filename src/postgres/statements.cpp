@@ -215,10 +215,4 @@ int StoreImpl::send_statement(PGconn* c, Stmt st, const Params& p) const {
   return PQsendQueryPrepared(c, names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1);
 }
 
-PGresult* StoreImpl::exec_statement(PGconn* c, Stmt st, const Params& p) const {
-  if (client.options().transaction_pooler)
-    return PQexecParams(c, texts[st].c_str(), p.size(), nullptr, p.values(), p.lengths(), p.formats(), 1);
-  return PQexecPrepared(c, names[st].c_str(), p.size(), p.values(), p.lengths(), p.formats(), 1);
-}
-
 }  // namespace idem::detail

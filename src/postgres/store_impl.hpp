@@ -131,6 +131,7 @@ struct Reply {
   Fate fate = Fate::answered;
   std::string why;  // unsent / in_doubt: libpq's message
   bool sync_cut = false;  // answered after the server cancelled its commit's wait for a synchronous standby
+  millis cancelled_after{0};  // sync_cut: idem cancelled that wait after this long (0: someone else did)
 };
 
 // One request of exchange_many: prepared statement `st`, and `again`, what is sent instead on a
@@ -183,10 +184,10 @@ class StoreImpl {
   // statements.cpp: prepares this store's statements on a pooled session (migrating the schema
   // first when auto_migrate). On failure some may be prepared: the caller must drop the session.
   void prepare(Connection& c);
-  // Sends (PQsendQuery*) or runs (PQexec*) statement `st` with binary results: by name, or by its
-  // text behind a transaction-mode pooler (PostgresOptions::transaction_pooler).
+  // Sends (PQsendQuery*) statement `st` with binary results: by name, or by its text behind a
+  // transaction-mode pooler (PostgresOptions::transaction_pooler). Its answer is awaited with
+  // await_answer, which bounds a request that can commit (no blocking PQexec* for those).
   int send_statement(PGconn* c, Stmt st, const Params& p) const;
-  PGresult* exec_statement(PGconn* c, Stmt st, const Params& p) const;
   // call.cpp: a lease-mode call. Sends prepared statement `st` on a pooled session; if the
   // session dies under it, sends `again` once on another session. `writes`: the request changes
   // the record, so a reply lost after sending that cannot be settled is outcome_unknown_error.

@@ -20,9 +20,12 @@ namespace detail {
 
 namespace {
 
-// Reads `n` query results and the sync of a pipeline; false when the connection broke.
-bool read_pipeline(PGconn* c, PostgresResult* out, std::size_t n) {
+// Reads `n` query results and the sync of a pipeline, each awaited within `bound` (await_answer);
+// false when the connection broke or no answer came.
+bool read_pipeline(Connection& conn, PostgresResult* out, std::size_t n, millis bound) {
+  PGconn* c = conn.pg;
   for (std::size_t i = 0; i < n; ++i) {
+    if (!await_answer(conn, bound)) return false;
     PGresult* r = PQgetResult(c);
     if (!r) return false;
     out[i] = ResultAccess::wrap(r);
@@ -34,6 +37,7 @@ bool read_pipeline(PGconn* c, PostgresResult* out, std::size_t n) {
     }
     if (PQstatus(c) != CONNECTION_OK) return false;
   }
+  if (!await_answer(conn, bound)) return false;
   PGresult* s = PQgetResult(c);
   const bool synced = s && PQresultStatus(s) == PGRES_PIPELINE_SYNC;
   PQclear(s);
@@ -73,7 +77,8 @@ std::optional<PostgresStore::Transaction> StoreImpl::try_begin(std::string_view 
     // The claim's transaction id (assigned by its write) and its server process ride along: a
     // COMMIT whose answer is lost is settled by asking the server what became of it (settle.cpp).
     std::array<PostgresResult, 3> res;
-    const bool complete = sent && read_pipeline(c, res.data(), res.size());
+    // Unbounded: the claim commits nothing, and statement_timeout bounds its statements.
+    const bool complete = sent && read_pipeline(*conn, res.data(), res.size(), millis{0});
     PQexitPipelineMode(c);
     const PGresult* r0 = ResultAccess::native(res[0]);
     const PGresult* r1 = ResultAccess::native(res[1]);
@@ -178,12 +183,13 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
   std::array<PostgresResult, 2> res;
   bool sent = false, complete = false;
   conn_->sync_cancelled = false;
-  // No statement_timeout is set for this: the server stops that timer before it commits, so it
-  // can never cut the wait for a synchronous standby (a cut wait would still have committed).
+  // The server stops statement_timeout before it commits, so that timer never cuts the wait for a
+  // synchronous standby: await_answer bounds it (commit_bound), cancelling it past the bound.
   if (PQenterPipelineMode(c) == 1) {
     sent = store_->send_statement(c, detail::kTxComplete, p) == 1 &&
            PQsendQueryParams(c, "COMMIT", 0, nullptr, nullptr, nullptr, nullptr, 0) == 1 && PQpipelineSync(c) == 1;
-    complete = sent && detail::read_pipeline(c, res.data(), res.size());
+    complete = sent && detail::read_pipeline(*conn_, res.data(), res.size(),
+                                             detail::commit_bound(store_->client.options()));
     PQexitPipelineMode(c);
   }
   const PGresult* r0 = ResultAccess::native(res[0]);
@@ -191,8 +197,9 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
   const bool ok0 = detail::result_ok(r0), ok1 = detail::result_ok(r1);
   if (complete && ok0 && ok1 && std::strcmp(PQcmdStatus(ResultAccess::native(res[1])), "COMMIT") == 0) {
     const bool sync_cut = conn_->sync_cancelled;
-    release(true);
-    if (sync_cut) detail::throw_sync_cancelled("commit");  // committed here, maybe on no standby
+    const millis cancelled_after = conn_->cancelled_after;
+    release(true);  // (dropped instead when idem sent it a cancel: ConnectionTraits::reusable)
+    if (sync_cut) detail::throw_sync_cancelled("commit", cancelled_after);  // committed here, maybe on no standby
     return WriteStatus::ok;
   }
   const std::string code0 = detail::sqlstate_of(r0), code1 = detail::sqlstate_of(r1);
@@ -222,13 +229,16 @@ WriteStatus PostgresStore::Transaction::commit(std::string_view result, millis r
     throw store_error("idem: postgres COMMIT rolled the transaction back", "40000", true);
   }
   std::string m = detail::first_line(r1 && PQresultErrorMessage(r1)[0] ? PQresultErrorMessage(r1) : PQerrorMessage(c));
+  if (m.empty() && conn_->cancelled_after > millis{0})
+    m = fmt::format("no answer {} ms after a cancel", conn_->cancelled_after.count());
   const bool sync_cut = conn_->sync_cancelled;
+  const millis cancelled_after = conn_->cancelled_after;
   const int pid = server_pid_;
   release(false);
   if (!sent && r0 == nullptr && healthy)
     throw connection_error(fmt::format("idem: postgres commit could not be sent: {}", m), "08006", true);
   // The answer is lost, not the transaction: read what became of it rather than guess.
-  if (sync_cut) detail::throw_sync_cancelled("commit");
+  if (sync_cut) detail::throw_sync_cancelled("commit", cancelled_after);
   return store_->settle_commit(key_, decision_.holder, xid_, pid, m, code1.empty() ? "08006" : code1);
 }
 
@@ -249,7 +259,17 @@ WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
   p.num(detail::as_i64(decision_.holder.token)).num(decision_.attempts).bin(f.error).boolean(f.permanent);
   p.num(std::max<std::int64_t>(0, f.backoff.count())).num(f.retention.count()).text(store_->lock_timeout_text);
   conn_->sync_cancelled = false;
-  PostgresResult r = ResultAccess::wrap(store_->exec_statement(c, detail::kRecordFailure, p));
+  // It commits on its own (the rollback ended the transaction): bounded as every write is.
+  PostgresResult r;
+  const millis bound = detail::commit_bound(store_->client.options());
+  if (store_->send_statement(c, detail::kRecordFailure, p) != 1 || !detail::read_answer(*conn_, bound, r)) {
+    const std::string why = conn_->cancelled_after > millis{0}
+                                ? fmt::format("no answer {} ms after a cancel", bound.count())
+                                : detail::first_line(PQerrorMessage(c));
+    release(false);
+    throw connection_error(fmt::format("idem: postgres record failure failed: {} (connection lost)", why), "08006",
+                           true);
+  }
   if (!detail::result_ok(ResultAccess::native(r))) {
     const bool busy = detail::sqlstate_of(ResultAccess::native(r)) == "55P03";
     release(PQstatus(c) == CONNECTION_OK);
@@ -258,8 +278,9 @@ WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
   }
   const bool written = r.rows() == 1 && detail::bool_of(ResultAccess::native(r), 0, 0);
   const bool sync_cut = conn_->sync_cancelled;
+  const millis cancelled_after = conn_->cancelled_after;
   release(true);
-  if (sync_cut) detail::throw_sync_cancelled("record failure");
+  if (sync_cut) detail::throw_sync_cancelled("record failure", cancelled_after);
   return written ? WriteStatus::ok : WriteStatus::lease_lost;
 }
 

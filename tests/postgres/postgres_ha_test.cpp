@@ -16,6 +16,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "idem/idem.hpp"
 #include "idem/postgres.hpp"
@@ -105,6 +106,37 @@ void check_not_committed(const std::exception_ptr& e, const char* why = "") {
   check_thrown<idem::connection_error>(e, "did not commit", why);
 }
 
+// Names the synchronous standbys of `raw`'s server ('nobody': one that never connects, so every
+// commit there waits; '': none) and gives the checkpointer, which applies it to that wait, time to.
+void sync_standbys(pgtest::Raw& raw, const char* names) {
+  raw.exec(std::string("ALTER SYSTEM SET synchronous_standby_names = '") + names + "'");
+  raw.exec("SELECT pg_reload_conf()");
+  std::this_thread::sleep_for(500ms);
+}
+
+// What `f` threw, and how long it took.
+template <class F>
+std::pair<std::exception_ptr, double> timed(F&& f) {
+  const auto t0 = Clock::now();
+  std::exception_ptr e;
+  try {
+    f();
+  } catch (...) {
+    e = std::current_exception();
+  }
+  return {e, seconds_since(t0)};
+}
+
+// A commit idem cut after statement_timeout + sync_replication_wait: committed on the primary only,
+// and the message says what to fix.
+void check_cut(const std::pair<std::exception_ptr, double>& got, const char* what) {
+  std::printf("%s: cut after %.2f s\n", what, got.second);
+  check_thrown<idem::durability_error>(got.first, "committed on the primary", "synchronous_standby_names");
+  check_thrown<idem::durability_error>(got.first, "idem cancelled the wait", "sync_replication_wait");
+  CHECK(got.second >= 1.4);  // not before statement_timeout (500 ms) + sync_replication_wait (1 s)
+  CHECK(got.second < 5.0);   // but soon after: not as long as no standby attaches
+}
+
 // Collects a client's advisories.
 struct Warnings : idem::Observer {
   std::mutex mu;
@@ -158,6 +190,8 @@ TEST_CASE("postgres ha: a commit whose wait for the synchronous standby is cance
   Pair pair("sync");
   auto lo = config(pair.conninfo(), idem::PostgresMode::lease);
   auto to = config(pair.conninfo(), idem::PostgresMode::transactional);
+  // 0: a commit waits as long as the server does (past statement_timeout + 0), until cancelled.
+  lo.client.sync_replication_wait = to.client.sync_replication_wait = 0ms;
   idem::PostgresStore lease(lo.client, lo.store), tx(to.client, to.store);
   const auto k = key("lease"), kt = key("tx");
   auto a = lease.acquire(k, ap(1));  // replicated: the standby is still there
@@ -188,6 +222,98 @@ TEST_CASE("postgres ha: a commit whose wait for the synchronous standby is cance
   });
   CHECK(ran == 0);  // the acquire itself waited and was cancelled: no handler ran
   check_durability(e);
+}
+
+TEST_CASE("postgres ha: sync_replication_wait defaults to 10 s and may not be negative", "[postgres][ha][sync-wait]") {
+  CHECK(idem::PostgresOptions{}.sync_replication_wait == 10s);
+  idem::PostgresOptions o;
+  o.conninfo = "host=127.0.0.1 port=1 connect_timeout=1";  // nothing listens: not an error at construction
+  o.sync_replication_wait = -1ms;
+  try {
+    idem::PostgresClient c(o);
+    FAIL("a negative sync_replication_wait was accepted");
+  } catch (const idem::invalid_options_error& e) {
+    CHECK_THAT(std::string(e.what()), Catch::Contains("sync_replication_wait must be >= 0"));
+  }
+  o.sync_replication_wait = 0ms;
+  CHECK_NOTHROW(idem::PostgresClient(o));
+}
+
+// synchronous_standby_names names a standby that is not connected: every commit waits on the
+// server for one to attach, a wait statement_timeout does not cover. Each write is cancelled after
+// statement_timeout + sync_replication_wait and reported as durability_error, its record committed
+// on the primary, as a commit whose wait pg_cancel_backend cut.
+TEST_CASE("postgres ha: a commit no synchronous standby confirms is cancelled after sync_replication_wait",
+          "[postgres][failover][ha][sync-wait]") {
+  Pair pair("async");  // the standby streams but is not named: as if the named one were gone
+  pgtest::Raw raw(pair.conninfo("a.conninfo"));
+  auto lo = config(pair.conninfo(), idem::PostgresMode::lease);
+  auto to = config(pair.conninfo(), idem::PostgresMode::transactional);
+  lo.client.sync_replication_wait = to.client.sync_replication_wait = 1s;
+  lo.store.batch_sessions = 1;  // the batch's writes queue on one session: each cut, not each waited for
+  idem::PostgresStore lease(lo.client, lo.store), tx(to.client, to.store);
+  const auto fresh = key("fresh"), held = key("held"), kt = key("tx"), kf = key("tx-fail"), kg = key("guard");
+  const std::vector<std::string> batch{key("b1"), key("b2"), key("b3")};
+  auto h = lease.acquire(held, ap(1));
+  REQUIRE(h.status == AcquireStatus::acquired);
+  std::vector<idem::Holder> bh;
+  for (const auto& b : batch) {
+    auto a = lease.acquire(b, ap(2));
+    REQUIRE(a.status == AcquireStatus::acquired);
+    bh.push_back(a.holder);
+  }
+  auto t = tx.begin(kt, ap(3));  // a claim commits nothing: it opens the transaction
+  REQUIRE(t.decision().status == AcquireStatus::acquired);
+  auto tf = tx.begin(kf, ap(4));
+  REQUIRE(tf.decision().status == AcquireStatus::acquired);
+  idem::PostgresSequenceStore seqs(lease, {.table = "seq_" + pgtest::random_hex(6)});
+  seqs.migrate();
+  sync_standbys(raw, "nobody");
+
+  check_cut(timed([&] { (void)lease.acquire(fresh, ap(5)); }), "acquire of a new key");
+  check_cut(timed([&] { (void)lease.complete(held, h.holder, "done", 60s); }), "complete");
+  check_cut(timed([&] { (void)t.commit("tx-done", 60s); }), "transactional COMMIT");
+  check_cut(timed([&] { (void)tf.fail({.error = "boom", .retention = 60s}); }), "transactional record failure");
+  check_cut(timed([&] {
+              auto w = lease.batch_writer();
+              for (std::size_t i = 0; i < batch.size(); ++i) w.complete(batch[i], bh[i], "batch", 60s);
+              (void)w.finish();
+            }),
+            "a batch of three completions");
+  check_cut(timed([&] { (void)seqs.advance("entity", 1); }), "sequence advance");
+  idem::IdempotencyGuard g(lease);
+  int ran = 0;
+  check_cut(timed([&] {
+              (void)g.run(kg, [&](const idem::Context&) {
+                ++ran;
+                return std::string("g");
+              });
+            }),
+            "a guard's run");
+  CHECK(ran == 0);  // its acquire was cut: no handler ran, the message is not acked
+
+  sync_standbys(raw, "");
+  // Each cut write committed on the primary. The cut acquire holds its key for its lease: a
+  // redelivery meets in_flight until it ends, then takes the key over; the completions are there.
+  auto rec = lease.inspect(fresh);
+  REQUIRE(rec);
+  CHECK(rec->state == State::in_progress);
+  CHECK(lease.acquire(fresh, ap(6)).status == AcquireStatus::in_flight);
+  CHECK(lease.inspect(kg)->state == State::in_progress);
+  CHECK(lease.inspect(held)->state == State::completed);
+  CHECK(lease.inspect(held)->result == "done");
+  // The first write of the batch waited out the bound; those queued behind it were cancelled at
+  // once, in their wait (committed) or, on a slow server, still running (rolled back: still held).
+  CHECK(lease.inspect(batch[0])->state == State::completed);
+  for (std::size_t i = 1; i < batch.size(); ++i) CHECK(lease.inspect(batch[i])->state != State::failed);
+  CHECK(tx.inspect(kt)->state == State::completed);
+  CHECK(tx.inspect(kf)->state == State::failed);
+  CHECK(seqs.last_applied("entity") == 1u);
+  // And the sessions idem cancelled were dropped, not reused: calls go on normally.
+  const auto after = key("after");
+  auto a = lease.acquire(after, ap(7));
+  REQUIRE(a.status == AcquireStatus::acquired);
+  CHECK(lease.complete(after, a.holder, "ok", 60s) == WriteStatus::ok);
 }
 
 TEST_CASE("postgres ha: a COMMIT whose answer is lost as the primary fails is settled on the promoted standby",

@@ -23,6 +23,9 @@ struct PostgresOptions {
   /// How long a write whose answer was lost keeps asking for its outcome (on whichever primary the
   /// conninfo reaches) before outcome_unknown_error; 0 = ask once.
   millis settle_wait{10'000};
+  /// A write not answered within statement_timeout + this (a commit held by synchronous replication no standby
+  /// confirms) is cancelled: durability_error; 10 s is past any sound sync-rep delay; 0 = wait as the server does.
+  millis sync_replication_wait{10'000};
   /// The conninfo reaches a transaction-mode pooler (PgBouncer pool_mode=transaction): statements
   /// are sent unnamed and no session setting is made (statement_timeout is then the role's).
   bool transaction_pooler = false;
