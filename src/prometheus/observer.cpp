@@ -95,7 +95,7 @@ struct PrometheusObserver::Impl {
   prometheus::Family<prometheus::Counter>* consumer_rebalances = nullptr;
 
   Impl(std::shared_ptr<prometheus::Registry> r, const PrometheusOptions& o) : registry(std::move(r)) {
-    if (!registry) throw std::invalid_argument("idem: PrometheusObserver needs a registry");
+    if (!registry) throw invalid_options_error("idem: PrometheusObserver needs a registry");
     const prometheus::Labels store{{"store", o.store}};
     auto& outcome_family = prometheus::BuildCounter()
                                .Name("idem_outcomes_total")
@@ -228,7 +228,8 @@ std::shared_ptr<PrometheusObserver> PrometheusObserver::serve(const std::string&
   try {
     obs->impl_->exposer = std::make_unique<prometheus::Exposer>(listen);
   } catch (const std::exception& e) {
-    throw std::runtime_error(fmt::format("idem: cannot serve metrics on {}: {}", listen, e.what()));
+    // A bad or busy address: the caller's to change (usage_error is still a std::runtime_error).
+    throw usage_error(fmt::format("idem: cannot serve metrics on {}: {}", listen, e.what()));
   }
   obs->impl_->exposer->RegisterCollectable(obs->impl_->registry);
   const auto ports = obs->impl_->exposer->GetListeningPorts();

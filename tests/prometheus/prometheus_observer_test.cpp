@@ -168,6 +168,14 @@ TEST_CASE("PrometheusObserver exposes exact counts of a known workload on /metri
   CHECK(value(m, "idem_batch_size_bucket{le=\"5\"," + s + "}") == 1);
 }
 
+TEST_CASE("PrometheusObserver's errors are idem errors") {
+  // core/error.hpp: every error idem's libraries throw derives from idem::error.
+  CHECK_THROWS_AS(idem::PrometheusObserver(nullptr), idem::invalid_options_error);
+  auto first = idem::PrometheusObserver::serve("127.0.0.1:0", {.store = "memory"});
+  const std::string taken = fmt::format("127.0.0.1:{}", first->port());
+  CHECK_THROWS_AS(idem::PrometheusObserver::serve(taken, {.store = "memory"}), idem::usage_error);
+}
+
 TEST_CASE("PrometheusObserver registers in the application's registry") {
   auto registry = std::make_shared<prometheus::Registry>();
   auto metrics = std::make_shared<idem::PrometheusObserver>(registry, idem::PrometheusOptions{.store = "redis"});

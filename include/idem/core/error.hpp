@@ -1,5 +1,6 @@
 #pragma once
-/// @file error.hpp The exception family: every error idem throws derives from idem::error.
+/// @file error.hpp The exception family: every error idem's libraries throw derives from idem::error
+/// (std::bad_alloc aside); an exception a handler throws reaches the caller as it was thrown.
 
 #include <stdexcept>
 #include <string>

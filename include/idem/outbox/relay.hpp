@@ -55,7 +55,8 @@ struct OutboxRelayStats {
   std::uint64_t notifications = 0;   ///< wake-ups by NOTIFY
 };
 
-// OutboxRelayEvent, what the relay reports to its observer, is in idem/core/observer.hpp.
+// OutboxRelayEvent, what the relay reports to the observer given to set_observer(), is in
+// idem/core/observer.hpp.
 
 /**
  * Drains the outbox of one PostgresStore table (docs/outbox.md). Each batch is one transaction:

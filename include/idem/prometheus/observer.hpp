@@ -47,10 +47,11 @@ struct PrometheusOptions {
  */
 class PrometheusObserver : public Observer {
 public:
-  /// Registers idem's metric families in `registry` (the application's own; not null).
+  /// Registers idem's metric families in `registry` (the application's own; null throws
+  /// invalid_options_error).
   explicit PrometheusObserver(std::shared_ptr<prometheus::Registry> registry, PrometheusOptions options = {});
   /// An observer with a registry of its own served at `http://<listen>/metrics` ("host:port";
-  /// port 0 = any free port, see port()). Throws std::runtime_error when it cannot listen.
+  /// port 0 = any free port, see port()). Throws usage_error when it cannot listen.
   static std::shared_ptr<PrometheusObserver> serve(const std::string& listen, PrometheusOptions options = {});
   ~PrometheusObserver() override;                                   ///< Stops the exposer, if any.
   PrometheusObserver(const PrometheusObserver&) = delete;             ///< Owns its metric handles.

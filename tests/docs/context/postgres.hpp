@@ -1,0 +1,18 @@
+// The names docs/postgres.md's blocks use without declaring them (tests/docs/CMakeLists.txt).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <idem/postgres.hpp>
+
+namespace docs {
+struct Message {
+  std::string id;
+  std::string account;
+  std::int64_t amount = 0;
+};
+}  // namespace docs
+
+extern docs::Message msg;
+extern std::string ci;  // a conninfo
