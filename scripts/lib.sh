@@ -44,7 +44,7 @@ ensure_packages() {
 core_packages=(cmake ninja-build g++ pkg-config libssl-dev libfmt-dev)
 all_packages=("${core_packages[@]}" catch2 libhiredis-dev libpq-dev libfmt-dev redis-server redis-tools
               openssl postgresql postgresql-contrib librdkafka-dev librabbitmq-dev rabbitmq-server util-linux procps
-              prometheus-cpp-dev libcli11-dev libboost-dev)
+              prometheus-cpp-dev libcli11-dev nlohmann-json3-dev libboost-dev)
 # The package tests (tests/package): make builds the pkg-config consumer; cpack's DEB generator
 # reads the tools' runtime dependencies with dpkg-shlibdeps (dpkg-dev); dpkg-deb comes with dpkg.
 all_packages+=(make dpkg-dev)

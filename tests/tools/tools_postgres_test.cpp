@@ -6,10 +6,13 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
+
+#include <nlohmann/json.hpp>
 
 #include "pg_support.hpp"
 #include "tool_run.hpp"
@@ -130,6 +133,106 @@ TEST_CASE("inspect, list, stats, release and purge on a PostgreSQL table") {
   CHECK(r.status == 0);
   CHECK(contains(r.out, "purged 5 expired rows"));
   CHECK_FALSE(t.store.inspect("order-1") == std::nullopt);
+}
+
+TEST_CASE("a UTF-8 key from list --json released as given, release and purge --json on PostgreSQL") {
+  Table t;
+  const std::string text = "caf\xc3\xa9-\xd0\xba\xd0\xbb\xd1\x8e\xd1\x87-\xf0\x9f\x99\x82";  // "café-ключ-🙂"
+  REQUIRE(t.store.acquire(text, pgtest::ap(1, 50ms)).status == idem::AcquireStatus::acquired);
+  const std::string bytes = std::string("bin-\xff\x00", 6);
+  REQUIRE(t.store.acquire(bytes, pgtest::ap(2, 50ms)).status == idem::AcquireStatus::acquired);
+  std::this_thread::sleep_for(100ms);
+  auto r = run_tool(t.args({"list", "--json"}));
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  REQUIRE(r.lines == 2);
+  const auto first = nlohmann::json::parse(r.out.substr(0, r.out.find('\n')));
+  const auto second = nlohmann::json::parse(r.out.substr(r.out.find('\n') + 1));
+  const auto& utf8 = first.contains("key") ? first : second;
+  const auto& other = first.contains("key") ? second : first;
+  CHECK(other.at("key_hex") == "62696e2dff00");
+  r = run_tool(t.args({"release", utf8.at("key").get<std::string>(), "--fence", "1", "--yes", "--json"}));
+  REQUIRE(r.status == 0);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j.at("released") == true);
+  CHECK(j.at("key") == text);
+  CHECK(j.at("next_fence") == 2);
+  CHECK(t.store.inspect(text)->state == idem::State::failed);
+  r = run_tool(t.args({"release", "--key-hex", other.at("key_hex").get<std::string>(), "--fence", "1", "--yes", "--json"}));
+  REQUIRE(r.status == 0);
+  CHECK(t.store.inspect(bytes)->state == idem::State::failed);
+
+  for (int i = 0; i < 3; ++i) {
+    idem::AcquireParams p = pgtest::ap(100 + static_cast<std::uint64_t>(i), 100ms);
+    p.retention = 200ms;
+    t.store.acquire("short-" + std::to_string(i), p);
+  }
+  std::this_thread::sleep_for(1500ms);
+  r = run_tool(t.args({"purge", "--json"}));
+  REQUIRE(r.status == 0);
+  j = nlohmann::json::parse(r.out);
+  CHECK(j.at("purged") == 3);
+  CHECK(j.at("store_expires") == false);
+  CHECK(j.at("store") == "postgresql " + std::string("\"idem_tools\".\"") + t.name + "\"");
+}
+
+TEST_CASE("migrate --print-sql applied with psql lets a store run without DDL rights, --status reports it") {
+  const std::string schema = "idem_mig_" + pgtest::random_hex(8);
+  const std::string role = "idem_app_" + pgtest::random_hex(8);
+  const std::string u = url_of(pgtest::conninfo());
+  auto with = [&](std::vector<std::string> a) {
+    for (const std::string& x : {std::string("--schema"), schema, std::string("--table"), std::string("recs")}) a.push_back(x);
+    return a;
+  };
+  auto r = run_tool(with({"migrate", u, "--status"}));
+  INFO(r.out);
+  CHECK(r.status == 1);
+  CHECK(contains(r.out, "not installed"));
+  r = run_tool(with({"migrate", "--print-sql"}));
+  REQUIRE(r.status == 0);
+  CHECK(contains(r.out, "CREATE TABLE IF NOT EXISTS \"" + schema + "\".\"recs\""));
+  CHECK_FALSE(contains(r.out, "@S@"));
+  {
+    // As a DBA would: the printed SQL through psql, as the superuser of the fixture.
+    FILE* psql = ::popen(("psql -X -q -v ON_ERROR_STOP=1 '" + pgtest::conninfo() + "' >/dev/null").c_str(), "w");
+    REQUIRE(psql != nullptr);
+    REQUIRE(std::fwrite(r.out.data(), 1, r.out.size(), psql) == r.out.size());
+    REQUIRE(::pclose(psql) == 0);
+  }
+  r = run_tool(with({"migrate", u, "--status", "--json"}));
+  REQUIRE(r.status == 0);
+  const auto status = nlohmann::json::parse(r.out);
+  CHECK(status.at("version") == idem::PostgresStore::schema_version);
+  CHECK(status.at("pending") == false);
+  r = run_tool(with({"migrate", u, "--status"}));
+  CHECK(contains(r.out, "schema version 2 (current)"));
+
+  pgtest::Raw raw;
+  raw.exec("CREATE ROLE " + role + " LOGIN");
+  raw.exec("GRANT USAGE ON SCHEMA " + schema + " TO " + role);
+  raw.exec("GRANT SELECT, INSERT, UPDATE, DELETE ON " + schema + ".recs TO " + role);
+  CHECK(raw.scalar("SELECT has_schema_privilege('" + role + "', '" + schema + "', 'CREATE')") == "f");
+  CHECK(raw.scalar("SELECT has_database_privilege('" + role + "', current_database(), 'CREATE')") == "f");
+  std::string app = pgtest::conninfo();
+  app.replace(app.find("user=postgres"), 13, "user=" + role);
+  {
+    idem::PostgresStore store(idem::PostgresOptions{.conninfo = app},
+                              idem::PostgresStoreOptions{.schema = schema, .table = "recs", .auto_migrate = false});
+    auto a = store.acquire("order-1", pgtest::ap(1));
+    REQUIRE(a.status == idem::AcquireStatus::acquired);
+    CHECK(store.complete("order-1", a.holder, "receipt-42", 1h) == idem::WriteStatus::ok);
+    const auto again = store.acquire("order-1", pgtest::ap(2));
+    CHECK(again.status == idem::AcquireStatus::duplicate);
+    CHECK(again.payload == "receipt-42");
+  }
+  // --apply on a table at the current version changes nothing.
+  r = run_tool(with({"migrate", u, "--apply"}));
+  CHECK(r.status == 0);
+  CHECK(contains(r.out, "already at schema version 2"));
+  raw.exec("SET client_min_messages = warning");
+  raw.exec("DROP SCHEMA " + schema + " CASCADE");
+  raw.exec("DROP OWNED BY " + role);
+  raw.exec("DROP ROLE " + role);
 }
 
 TEST_CASE("a PostgreSQL URL as the command's argument, with --url or from IDEM_URL") {

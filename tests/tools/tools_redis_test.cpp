@@ -6,9 +6,12 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "idem/redis.hpp"
 #include "tool_run.hpp"
@@ -99,6 +102,76 @@ TEST_CASE("inspect, list, stats and purge show the records") {
   r = run_tool({"purge", "--url", url(server)});
   CHECK(r.status == 0);
   CHECK(contains(r.out, "nothing to purge"));
+}
+
+TEST_CASE("keys in --json: UTF-8 as text, other bytes as key_hex, each given back to release") {
+  RedisServer server(good_config());
+  idem::RedisStore store{server.options()};
+  const std::string text = "caf\xc3\xa9-\xd0\xba\xd0\xbb\xd1\x8e\xd1\x87-\xf0\x9f\x99\x82";  // "café-ключ-🙂"
+  // Not UTF-8: bytes that are never valid, and a sequence cut short.
+  const std::string bytes = std::string("bin-\xff\xfe-\xe2\x82", 9);
+  REQUIRE(store.acquire(text, params(1, 50ms)).status == idem::AcquireStatus::acquired);
+  REQUIRE(store.acquire(bytes, params(2, 50ms)).status == idem::AcquireStatus::acquired);
+  std::this_thread::sleep_for(100ms);
+
+  auto r = run_tool({"list", "--state", "in_progress", "--json", "--url", url(server)});
+  INFO(r.out);
+  REQUIRE(r.status == 0);
+  CHECK(contains(r.out, "\"key\":\"" + text + "\""));  // the UTF-8 bytes themselves, not \u escapes
+  std::string from_list, hex_from_list;
+  std::istringstream lines(r.out);
+  for (std::string line; std::getline(lines, line);) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("key")) {
+      CHECK_FALSE(j.contains("key_hex"));
+      from_list = j.at("key").get<std::string>();
+    } else {
+      hex_from_list = j.at("key_hex").get<std::string>();
+    }
+  }
+  CHECK(from_list == text);
+  CHECK(hex_from_list == "62696e2dfffe2de282");
+
+  r = run_tool({"release", from_list, "--fence", "1", "--yes", "--json", "--url", url(server)});
+  REQUIRE(r.status == 0);
+  auto j = nlohmann::json::parse(r.out);
+  CHECK(j.at("released") == true);
+  CHECK(j.at("key") == text);
+  CHECK(j.at("fence") == 1);
+  CHECK(j.at("was") == "in_progress");
+  CHECK(j.at("next_fence") == 2);
+  CHECK(store.inspect(text)->state == idem::State::failed);
+
+  r = run_tool({"release", "--key-hex", hex_from_list, "--fence", "1", "--yes", "--json", "--url", url(server)});
+  REQUIRE(r.status == 0);
+  j = nlohmann::json::parse(r.out);
+  CHECK(j.at("released") == true);
+  CHECK(j.at("key_hex") == hex_from_list);
+  CHECK_FALSE(j.contains("key"));
+  CHECK(store.inspect(bytes)->state == idem::State::failed);
+  r = run_tool({"inspect", "--key-hex", hex_from_list, "--json", "--url", url(server)});
+  CHECK(r.status == 0);
+  CHECK(nlohmann::json::parse(r.out).at("state") == "failed");
+
+  // A refusal keeps the tool's one error convention: a message on stderr and exit 1, with --json too.
+  r = run_tool({"release", text, "--fence", "2", "--yes", "--json", "--url", url(server)});
+  CHECK(r.status == 1);
+  CHECK(contains(r.out, "idem: refused: '"));
+  CHECK_FALSE(contains(r.out, "{"));
+  r = run_tool({"release", "--key-hex", "6g", "--fence", "1", "--yes", "--url", url(server)});
+  CHECK(r.status == 2);
+  CHECK(contains(r.out, "not a key in hex"));
+  r = run_tool({"release", "x", "--key-hex", "78", "--fence", "1", "--yes", "--url", url(server)});
+  CHECK(r.status == 2);
+  CHECK(contains(r.out, "one key at a time"));
+
+  r = run_tool({"purge", "--json", "--url", url(server)});
+  REQUIRE(r.status == 0);
+  j = nlohmann::json::parse(r.out);
+  CHECK(j.at("purged") == 0);
+  CHECK(j.at("store_expires") == true);
+  r = run_tool({"stats", "--json", "--url", url(server)});
+  CHECK(nlohmann::json::parse(r.out).at("records") == 2);
 }
 
 TEST_CASE("release frees a stuck key only with its fence, never a completed one") {
@@ -209,7 +282,7 @@ TEST_CASE("missing ACL permissions, bad URLs and unreachable servers are clear e
   CHECK(contains(r.out, "cannot connect"));
   r = run_tool({"--help"});
   CHECK(r.status == 0);
-  for (const char* cmd : {"inspect", "list", "release", "purge", "stats", "doctor", "conformance"}) {
+  for (const char* cmd : {"inspect", "list", "release", "purge", "stats", "doctor", "migrate", "conformance"}) {
     CHECK(contains(r.out, cmd));
     auto h = run_tool({cmd, "--help"});
     CHECK(h.status == 0);

@@ -259,14 +259,22 @@ int report(const std::vector<Row>& rows, const std::string& where, const std::st
     width = std::max(width, r.name.size());
   }
   if (json) {
-    for (const auto& r : rows)
-      std::cout << "{\"case\":" << idem::tool::json_string(r.name) << ",\"result\":\""
-                << (r.pass ? "pass" : r.run ? "fail" : "not_run") << "\",\"ms\":" << r.ms
-                << ",\"reason\":" << idem::tool::json_string(r.reason) << ",\"hint\":" << idem::tool::json_string(r.hint)
-                << "}\n";
-    std::cout << "{\"store\":" << idem::tool::json_string(where) << ",\"passed\":" << rows.size() - static_cast<std::size_t>(failed)
-              << ",\"failed\":" << failed << ",\"ms\":" << total_ms << ",\"cleanup\":" << idem::tool::json_string(cleanup)
-              << "}\n";
+    for (const auto& r : rows) {
+      idem::tool::Json j = idem::tool::Json::object();
+      idem::tool::put_bytes(j, "case", r.name);
+      j["result"] = r.pass ? "pass" : r.run ? "fail" : "not_run";
+      j["ms"] = r.ms;
+      idem::tool::put_bytes(j, "reason", r.reason);
+      idem::tool::put_bytes(j, "hint", r.hint);
+      idem::tool::print_json(j);
+    }
+    idem::tool::Json summary = idem::tool::Json::object();
+    idem::tool::put_bytes(summary, "store", where);
+    summary["passed"] = rows.size() - static_cast<std::size_t>(failed);
+    summary["failed"] = failed;
+    summary["ms"] = total_ms;
+    idem::tool::put_bytes(summary, "cleanup", cleanup);
+    idem::tool::print_json(summary);
     return failed ? idem::tool::exit_refused : idem::tool::exit_ok;
   }
   std::cout << "idem conformance: " << where << "\n" << setup << "\n\n";

@@ -24,9 +24,12 @@ void register_doctor(CLI::App& app, idem::tool::Globals& g) {
         errors += f.severity == idem::Severity::error;
         warnings += f.severity == idem::Severity::warning;
         if (*json) {
-          std::cout << "{\"severity\":\"" << to_string(f.severity) << "\",\"check\":" << idem::tool::json_string(f.check)
-                    << ",\"message\":" << idem::tool::json_string(f.message) << ",\"fix\":" << idem::tool::json_string(f.fix)
-                    << "}\n";
+          idem::tool::Json j = idem::tool::Json::object();
+          j["severity"] = std::string(to_string(f.severity));
+          idem::tool::put_bytes(j, "check", f.check);
+          idem::tool::put_bytes(j, "message", f.message);
+          idem::tool::put_bytes(j, "fix", f.fix);
+          idem::tool::print_json(j);
           continue;
         }
         const std::string tag = fmt::format("[{}]", to_string(f.severity));

@@ -41,7 +41,7 @@ void register_list(CLI::App& app, idem::tool::Globals& g) {
       // Written as they come: nothing but the current page is ever held.
       store->list(f, [&](const idem::AdminRecord& r) {
         if (o->json) {
-          std::cout << idem::tool::record_json(r) << "\n";
+          idem::tool::print_json(idem::tool::record_json(r));
         } else {
           const bool timed = r.record.state != idem::State::completed;
           std::cout << std::left << std::setw(12) << to_string(r.record.state) << std::setw(8) << r.record.holder.fence

@@ -10,10 +10,10 @@
 
 void register_release(CLI::App& app, idem::tool::Globals& g) {
   struct Opts {
-    std::vector<std::string> args;
+    std::vector<std::string> args, hex_keys;
     std::string key;
     std::uint64_t fence = 0;
-    bool yes = false, force = false;
+    bool yes = false, force = false, json = false;
   };
   auto o = std::make_shared<Opts>();
   CLI::App* sub = idem::tool::subcommand(
@@ -22,15 +22,19 @@ void register_release(CLI::App& app, idem::tool::Globals& g) {
       "(fence + 1). Only if its fence is still N (take N from `idem inspect`): a holder that took the key over "
       "since is never freed. Completed keys are never released. Exit 1 when refused.",
       false);
-  sub->add_option("key", o->args, "[URL] KEY: the store URL (optional: else --url or IDEM_URL), then the idempotency key")
-      ->required();
+  sub->add_option("key", o->args, "[URL] KEY: the store URL (optional: else --url or IDEM_URL), then the idempotency key");
+  sub->add_option("--key-hex", o->hex_keys,
+                  "the key as the hex of its bytes (the key_hex of --json output, for a key that is not UTF-8), "
+                  "instead of KEY");
   sub->add_option("--fence", o->fence, "the fence the record must still have")->required();
   sub->add_flag("--yes,-y", o->yes, "do not ask (required when stdin is not a terminal)");
   sub->add_flag("--force", o->force, "also free an in_progress key whose lease is still live (its holder may still be running)");
+  sub->add_flag("--json", o->json, "one JSON object when released (a refusal stays a message on stderr, exit 1)");
   sub->callback([&g, o] {
     idem::tool::guarded(g, [&] {
       using idem::tool::printable;
       idem::tool::take_url_argument(g, o->args);
+      idem::tool::append_hex_keys(o->args, o->hex_keys);
       if (o->args.size() != 1)
         throw idem::usage_error(o->args.empty() ? "idem: release: no key given (idem release [URL] KEY --fence N)"
                                                 : "idem: release: one key at a time (idem release [URL] KEY --fence N)");
@@ -62,6 +66,16 @@ void register_release(CLI::App& app, idem::tool::Globals& g) {
       const std::string k = fmt::format("'{}'", printable(o->key));
       switch (res.status) {
         case idem::ReleaseStatus::released:
+          if (o->json) {
+            idem::tool::Json j = idem::tool::Json::object();
+            j["released"] = true;
+            idem::tool::put_bytes(j, "key", o->key);
+            j["fence"] = res.fence;
+            j["was"] = std::string(to_string(res.state));
+            j["next_fence"] = res.fence + 1;
+            idem::tool::print_json(j);
+            return idem::tool::exit_ok;
+          }
           std::cout << "released " << k << " (fence " << res.fence << ", was " << to_string(res.state)
                     << "): the next delivery acquires it with fence " << res.fence + 1 << "\n";
           return idem::tool::exit_ok;

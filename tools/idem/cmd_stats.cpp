@@ -18,11 +18,16 @@ void register_stats(CLI::App& app, idem::tool::Globals& g) {
       const idem::AdminStats s = store->stats();
       const auto st = [&](idem::State x) { return s.by_state[static_cast<std::size_t>(x)]; };
       if (*json) {
-        std::cout << "{\"records\":" << s.records << ",\"in_progress\":" << st(idem::State::in_progress)
-                  << ",\"completed\":" << st(idem::State::completed) << ",\"failed\":" << st(idem::State::failed)
-                  << ",\"lapsed\":" << s.lapsed
-                  << ",\"most_overdue_ms\":" << (s.most_overdue_ms ? fmt::format("{}", *s.most_overdue_ms) : "null")
-                  << ",\"bytes\":" << s.bytes << ",\"expired_rows\":" << s.expired_rows << "}\n";
+        idem::tool::Json j = idem::tool::Json::object();
+        j["records"] = s.records;
+        j["in_progress"] = st(idem::State::in_progress);
+        j["completed"] = st(idem::State::completed);
+        j["failed"] = st(idem::State::failed);
+        j["lapsed"] = s.lapsed;
+        j["most_overdue_ms"] = s.most_overdue_ms ? idem::tool::Json(*s.most_overdue_ms) : idem::tool::Json(nullptr);
+        j["bytes"] = s.bytes;
+        j["expired_rows"] = s.expired_rows;
+        idem::tool::print_json(j);
         return idem::tool::exit_ok;
       }
       std::cout << "store        " << store->where() << "\n"

@@ -208,27 +208,74 @@ std::string printable(std::string_view s) {
   return out;
 }
 
-std::string json_string(std::string_view s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20 || c >= 0x7f) {
-          // Keys are bytes, not UTF-8: every non-ASCII byte is escaped, so the output is always valid JSON.
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", c);
-          out += buf;
-        } else {
-          out += static_cast<char>(c);
-        }
+bool is_utf8(std::string_view s) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s.data());
+  const std::size_t n = s.size();
+  std::size_t i = 0;
+  while (i < n) {
+    const unsigned char c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
     }
+    std::size_t len;
+    unsigned char lo = 0x80, hi = 0xbf;  // the second byte's range, narrowed against overlongs and surrogates
+    if (c >= 0xc2 && c <= 0xdf) len = 2;
+    else if (c == 0xe0) len = 3, lo = 0xa0;
+    else if (c >= 0xe1 && c <= 0xec) len = 3;
+    else if (c == 0xed) len = 3, hi = 0x9f;
+    else if (c >= 0xee && c <= 0xef) len = 3;
+    else if (c == 0xf0) len = 4, lo = 0x90;
+    else if (c >= 0xf1 && c <= 0xf3) len = 4;
+    else if (c == 0xf4) len = 4, hi = 0x8f;
+    else return false;
+    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return false;
+    for (std::size_t k = 2; k < len; ++k)
+      if (p[i + k] < 0x80 || p[i + k] > 0xbf) return false;
+    i += len;
   }
-  return out + "\"";
+  return true;
+}
+
+void put_bytes(Json& obj, const std::string& name, std::string_view s) {
+  if (is_utf8(s)) obj[name] = std::string(s);
+  else obj[name + "_hex"] = hex(s);
+}
+
+void print_json(const Json& obj) { std::cout << obj.dump() << "\n"; }
+
+std::string hex(std::string_view s) {
+  std::string out;
+  char buf[3];
+  for (unsigned char c : s) {
+    std::snprintf(buf, sizeof buf, "%02x", c);
+    out += buf;
+  }
+  return out;
+}
+
+std::string from_hex(std::string_view text, std::string_view option) {
+  const auto digit = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  std::string out;
+  bool ok = text.size() % 2 == 0 && !text.empty();
+  for (std::size_t i = 0; ok && i < text.size(); i += 2) {
+    const int a = digit(text[i]), b = digit(text[i + 1]);
+    ok = a >= 0 && b >= 0;
+    out += static_cast<char>(a * 16 + b);
+  }
+  if (!ok)
+    throw usage_error(fmt::format("idem: {} '{}' is not a key in hex (an even number of hex digits, as in key_hex)",
+                                  option, printable(text)));
+  return out;
+}
+
+void append_hex_keys(std::vector<std::string>& keys, const std::vector<std::string>& hex_keys) {
+  for (const auto& h : hex_keys) keys.push_back(from_hex(h, "--key-hex"));
 }
 
 std::string lease_text(const AdminRecord& r) {
@@ -243,18 +290,6 @@ std::string lease_text(const AdminRecord& r) {
   }
   return "-";
 }
-
-namespace {
-std::string hex(std::string_view s) {
-  std::string out;
-  char buf[3];
-  for (unsigned char c : s) {
-    std::snprintf(buf, sizeof buf, "%02x", c);
-    out += buf;
-  }
-  return out;
-}
-}  // namespace
 
 std::string record_text(const AdminRecord& r) {
   std::ostringstream out;
@@ -277,17 +312,35 @@ std::string record_text(const AdminRecord& r) {
   return out.str();
 }
 
-std::string record_json(const AdminRecord& r) {
+namespace {
+// At most n bytes of s, cut on a character boundary when s is UTF-8, so a truncated message stays
+// text instead of turning into error_hex.
+std::string_view utf8_prefix(std::string_view s, std::size_t n) {
+  if (s.size() <= n) return s;
+  if (is_utf8(s))
+    while (n > 0 && (static_cast<unsigned char>(s[n]) & 0xc0) == 0x80) --n;
+  return s.substr(0, n);
+}
+}  // namespace
+
+Json record_json(const AdminRecord& r) {
   const auto& rec = r.record;
-  std::ostringstream out;
-  out << "{\"key\":" << json_string(r.key) << ",\"state\":\"" << to_string(rec.state) << "\",\"fence\":" << rec.holder.fence
-      << ",\"attempts\":" << rec.attempts << ",\"owner\":" << json_string(rec.owner)
-      << ",\"lease_until_ms\":" << rec.lease_until_ms << ",\"retry_at_ms\":" << rec.retry_at_ms
-      << ",\"now_ms\":" << r.now_ms << ",\"overdue_ms\":" << overdue_ms(r)
-      << ",\"permanent\":" << (rec.permanent ? "true" : "false") << ",\"result_bytes\":" << rec.result.size()
-      << ",\"error\":" << json_string(rec.error.substr(0, 1000)) << ",\"expires_in_ms\":" << r.expires_in_ms
-      << ",\"bytes\":" << r.bytes << "}";
-  return out.str();
+  Json j = Json::object();
+  put_bytes(j, "key", r.key);
+  j["state"] = std::string(to_string(rec.state));
+  j["fence"] = rec.holder.fence;
+  j["attempts"] = rec.attempts;
+  put_bytes(j, "owner", rec.owner);
+  j["lease_until_ms"] = rec.lease_until_ms;
+  j["retry_at_ms"] = rec.retry_at_ms;
+  j["now_ms"] = r.now_ms;
+  j["overdue_ms"] = overdue_ms(r);
+  j["permanent"] = rec.permanent;
+  j["result_bytes"] = rec.result.size();
+  put_bytes(j, "error", utf8_prefix(rec.error, 1000));
+  j["expires_in_ms"] = r.expires_in_ms;
+  j["bytes"] = r.bytes;
+  return j;
 }
 
 std::optional<State> parse_state(const std::string& s) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "idem/core/admin.hpp"
 
@@ -88,11 +89,27 @@ millis parse_duration(const std::string& text);
 std::string format_duration(std::int64_t ms);
 // A key as text: printable ASCII as is, other bytes as \xNN.
 std::string printable(std::string_view s);
-std::string json_string(std::string_view s);
+
+// The tool's JSON (docs/operations.md): one object per line, fields in the order they are set.
+using Json = nlohmann::ordered_json;
+// Well-formed UTF-8 (RFC 3629: no overlong forms, surrogates or code points past U+10FFFF), the
+// only bytes dump() writes into a JSON string without throwing.
+bool is_utf8(std::string_view s);
+// Keys, owners and messages are bytes: UTF-8 goes out as the string field `name`; anything else
+// as `name_hex` (lowercase hex of the bytes) instead, so that no byte is lost or replaced and a key
+// can be given back with --key-hex.
+void put_bytes(Json& obj, const std::string& name, std::string_view s);
+// One object on one line.
+void print_json(const Json& obj);
+// Bytes as lowercase hex, and back (usage_error unless an even number of hex digits).
+std::string hex(std::string_view s);
+std::string from_hex(std::string_view text, std::string_view option);
+// The keys given with --key-hex appended to the positional ones.
+void append_hex_keys(std::vector<std::string>& keys, const std::vector<std::string>& hex_keys);
 
 // One record as text lines (inspect) or one JSON object (inspect --json, list --json).
 std::string record_text(const AdminRecord& r);
-std::string record_json(const AdminRecord& r);
+Json record_json(const AdminRecord& r);
 // "lapsed 4m ago" / "live, 25s left" for an in_progress lease (or a failed backoff).
 std::string lease_text(const AdminRecord& r);
 

@@ -1,6 +1,7 @@
 #pragma once
 /// @file postgres/admin.hpp PostgresAdmin: the operator's view of a PostgresStore's table (inspect,
 /// list, fenced release, purge, stats, doctor), used by the `idem` command; docs/operations.md.
+/// With the migration as SQL for review (postgres_migration_sql) and the installed schema version.
 
 #include <cstddef>
 #include <cstdint>
@@ -53,5 +54,12 @@ private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+/// The SQL PostgresStore::migrate() runs on a new table of `store` (also the outbox when
+/// `store.outbox`), as one transaction for psql, so a DBA can apply it and stores run without DDL rights.
+std::string postgres_migration_sql(const PostgresStoreOptions& store = {});
+
+/// The schema version recorded for `store`'s table on a session of its own; 0 when not installed.
+int postgres_schema_version(const PostgresOptions& options, const PostgresStoreOptions& store = {});
 
 }  // namespace idem
