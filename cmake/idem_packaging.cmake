@@ -93,6 +93,11 @@ idem_pkgconfig(outbox_rabbitmq DESCRIPTION "idem: the outbox's RabbitMQ publishe
 idem_pkgconfig(rabbitmq DESCRIPTION "idem: the RabbitMQ queue consumer (librabbitmq)" REQUIRES idem DEPS librabbitmq)
 idem_pkgconfig(nats DESCRIPTION "idem: the NATS JetStream pull consumer (libnats)" REQUIRES idem DEPS libnats)
 idem_pkgconfig(outbox_nats DESCRIPTION "idem: the outbox's NATS JetStream publisher (libnats)" REQUIRES idem DEPS libnats)
+idem_pkgconfig(http DESCRIPTION "idem: the Idempotency-Key HTTP policy (header-only)" REQUIRES idem)
+idem_pkgconfig(http_httplib DESCRIPTION "idem: the cpp-httplib adapter of idem::http" REQUIRES idem-http DEPS cpp-httplib)
+# Boost.Beast is header-only, in the default include path on Debian (libboost-dev).
+idem_pkgconfig(http_beast DESCRIPTION "idem: the Boost.Beast adapter of idem::http (needs libboost-dev headers)"
+               REQUIRES idem-http)
 idem_pkgconfig(prometheus DESCRIPTION "idem: the Prometheus observer (prometheus-cpp)"
                REQUIRES idem DEPS prometheus-cpp-pull prometheus-cpp-core)
 

@@ -9,6 +9,12 @@
 #ifdef CONSUMER_HAS_HTTP
 #include <idem/http/endpoint.hpp>
 #endif
+#ifdef CONSUMER_HAS_HTTP_HTTPLIB  // the exported adapter targets bring their framework along
+#include <idem/http/httplib.hpp>
+#endif
+#ifdef CONSUMER_HAS_HTTP_BEAST
+#include <idem/http/beast.hpp>
+#endif
 
 #include <cstdio>
 #include <string>
@@ -34,6 +40,17 @@ int main() {
   std::printf("http: %d then %d (replayed: %s)\n", first.status, again.status,
               std::string(again.header("Idempotent-Replayed")).c_str());
   ok = ok && first.status == 201 && again.header("Idempotent-Replayed") == "true";
+#endif
+#ifdef CONSUMER_HAS_HTTP_HTTPLIB
+  httplib::Request hr;
+  hr.method = "POST";
+  ok = ok && idem::http::from_httplib(hr).method == "POST";
+  std::printf("http_httplib: linked\n");
+#endif
+#ifdef CONSUMER_HAS_HTTP_BEAST
+  idem::http::beast_request br{boost::beast::http::verb::post, "/charges", 11};
+  ok = ok && idem::http::from_beast(br).target == "/charges";
+  std::printf("http_beast: linked\n");
 #endif
   return ok ? 0 : 1;
 }
