@@ -52,5 +52,8 @@ int main() {
   ok = ok && idem::http::from_beast(br).target == "/charges";
   std::printf("http_beast: linked\n");
 #endif
+#ifdef CONSUMER_OWN_FMT
+  std::printf("built on the parent's own fmt::fmt\n");
+#endif
   return ok ? 0 : 1;
 }
