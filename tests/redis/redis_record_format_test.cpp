@@ -30,13 +30,13 @@ RedisServer& server() {
   return s;
 }
 
-idem::AcquireParams params(std::uint64_t token, std::string fingerprint = {}) {
+idem::AcquireParams params(std::uint64_t token, std::string_view fingerprint = {}) {
   idem::AcquireParams p;
   p.lease = 30s;
   p.retention = 60s;
   p.token = token;
   p.owner = "store-test";
-  p.fingerprint = std::move(fingerprint);
+  p.fingerprint = fingerprint;  // a view: the callers pass literals, which outlive the batch
   return p;
 }
 
