@@ -22,77 +22,17 @@
 
 #include "idem/core/error.hpp"
 #include "idem/core/version.hpp"
-#include "idem/outbox/redis_streams_publisher.hpp"
 #include "idem/outbox/relay.hpp"
-#ifdef IDEM_RELAY_WITH_KAFKA
-#include "idem/outbox/kafka_publisher.hpp"
-#endif
-#ifdef IDEM_RELAY_WITH_RABBITMQ
-#include "idem/outbox/rabbitmq_publisher.hpp"
-#endif
-#ifdef IDEM_RELAY_WITH_NATS
-#include "idem/outbox/nats_publisher.hpp"
-#endif
+#include "relay_settings.hpp"
 #ifdef IDEM_RELAY_WITH_METRICS
 #include "relay_metrics.hpp"
 #endif
 
 namespace {
 
-constexpr const char* program = "idem-outbox-relay";
+using namespace idem_relay;
+
 constexpr const char* env_prefix = "IDEM_RELAY_";
-constexpr int exit_failure = 1;  // a run that failed (database, broker, cannot listen)
-constexpr int exit_usage = 2;    // a bad or missing setting: restarting will not help
-
-// Every setting, with its default. Names follow the flags (docs/relay.md has the table).
-struct Settings {
-  std::string publisher = "redis";
-  std::string conninfo;
-  std::string conninfo_file;
-  std::string schema = "idem";
-  std::string table = "idem_records";
-  std::size_t batch = 256;
-  long poll_ms = 1000;
-  long retention_ms = 86'400'000;
-  long backoff_max_ms = 30'000;
-  long claim_idle_timeout_ms = 60'000;
-  bool transaction_pooler = false;
-  bool once = false;
-  bool check_config = false;
-  std::string metrics_listen;
-  // redis
-  std::string redis;
-  std::string stream_prefix;
-  std::size_t maxlen = 0;
-  // kafka
-  std::string kafka_brokers;
-  std::vector<std::string> kafka_properties;
-  long kafka_timeout_ms = 30'000;
-  std::string kafka_client_id = "idem-outbox";
-  // rabbitmq
-  std::string rabbitmq_url;
-  std::string rabbitmq_user;
-  std::string rabbitmq_password;
-  std::string rabbitmq_ca_file;
-  std::string rabbitmq_cert_file;
-  std::string rabbitmq_key_file;
-  bool rabbitmq_verify_peer = true;
-  bool rabbitmq_verify_hostname = true;
-  long rabbitmq_timeout_ms = 30'000;
-  std::string rabbitmq_key_header = "idem-message-key";
-  // nats
-  std::string nats_url;
-  std::string nats_subject_prefix;
-  std::string nats_expect_stream;
-  long nats_timeout_ms = 5000;
-};
-
-[[noreturn]] void usage(const std::string& why) {
-  std::string line = why;
-  std::replace(line.begin(), line.end(), '\n', ' ');
-  std::fprintf(stderr, "%s: %s (see %s --help)\n", program, line.c_str(), program);
-  std::exit(exit_usage);
-}
 
 // "--kafka-brokers" -> "IDEM_RELAY_KAFKA_BROKERS".
 std::string env_name(std::string flag) {
@@ -132,25 +72,6 @@ class RelayConfigFile final : public CLI::ConfigTOML {
   const CLI::App* app_;
 };
 
-// "scheme://user:password@host/..." -> "scheme://host/..." for each URL of a comma-separated list.
-std::string without_credentials(const std::string& urls) {
-  std::string out;
-  std::size_t from = 0;
-  while (from <= urls.size()) {
-    const std::size_t comma = std::min(urls.find(',', from), urls.size());
-    std::string u = urls.substr(from, comma - from);
-    if (const auto scheme = u.find("://"); scheme != std::string::npos) {
-      const auto host = scheme + 3;
-      const auto path = u.find('/', host);
-      const auto at = u.rfind('@', path == std::string::npos ? std::string::npos : path);
-      if (at != std::string::npos && at >= host) u.erase(host, at + 1 - host);
-    }
-    out += (out.empty() ? "" : ",") + u;
-    if (comma == urls.size()) break;
-    from = comma + 1;
-  }
-  return out;
-}
 
 bool secret_property(const std::string& key) {
   return key.find("password") != std::string::npos || key.find("secret") != std::string::npos ||
@@ -163,80 +84,7 @@ std::string quoted(const std::string& s) {
   return q + "\"";
 }
 
-// The publisher the settings ask for, and where it publishes (for the start line: no password).
-struct Built {
-  std::unique_ptr<idem::OutboxPublisher> publisher;
-  std::string destination;
-};
 
-[[noreturn, maybe_unused]] void not_built(const char* name, const char* library, const char* package) {
-  usage(
-      fmt::format("--publisher {}: this {} was built without the {} publisher (build idem with {} installed: "
-                  "apt-get install {})",
-                  name, program, library, package, package));
-}
-
-Built build_publisher(const Settings& s) {
-  if (s.publisher == "redis") {
-    if (s.redis.empty()) usage("--publisher redis needs --redis URL (or IDEM_RELAY_REDIS)");
-    idem::RedisStreamsPublisherOptions po;
-    po.redis.url = s.redis;
-    po.stream_prefix = s.stream_prefix;
-    po.maxlen = s.maxlen;
-    return {std::make_unique<idem::RedisStreamsPublisher>(po), "Redis " + without_credentials(s.redis)};
-  }
-  if (s.publisher == "kafka") {
-#ifdef IDEM_RELAY_WITH_KAFKA
-    if (s.kafka_brokers.empty())
-      usage("--publisher kafka needs --kafka-brokers HOST:PORT[,...] (or IDEM_RELAY_KAFKA_BROKERS)");
-    idem::KafkaPublisherOptions po;
-    po.brokers = s.kafka_brokers;
-    for (const auto& p : s.kafka_properties) {
-      const auto eq = p.find('=');
-      po.config.emplace_back(p.substr(0, eq), p.substr(eq + 1));  // the validator made sure there is one
-    }
-    po.timeout = idem::millis{s.kafka_timeout_ms};
-    po.client_id = s.kafka_client_id;
-    return {std::make_unique<idem::KafkaPublisher>(std::move(po)), "Kafka " + s.kafka_brokers};
-#else
-    not_built("kafka", "Kafka", "librdkafka-dev");
-#endif
-  }
-  if (s.publisher == "rabbitmq") {
-#ifdef IDEM_RELAY_WITH_RABBITMQ
-    if (s.rabbitmq_url.empty())
-      usage("--publisher rabbitmq needs --rabbitmq-url amqp[s]://... (or IDEM_RELAY_RABBITMQ_URL)");
-    idem::RabbitMqPublisherOptions po;
-    // The fields first: the URL replaces those it has (user, password, vhost, host, port).
-    if (!s.rabbitmq_user.empty()) po.user = s.rabbitmq_user;
-    if (!s.rabbitmq_password.empty()) po.password = s.rabbitmq_password;
-    po.url = s.rabbitmq_url;
-    po.ca_file = s.rabbitmq_ca_file;
-    po.cert_file = s.rabbitmq_cert_file;
-    po.key_file = s.rabbitmq_key_file;
-    po.verify_peer = s.rabbitmq_verify_peer;
-    po.verify_hostname = s.rabbitmq_verify_hostname;
-    po.timeout = idem::millis{s.rabbitmq_timeout_ms};
-    po.key_header = s.rabbitmq_key_header;
-    return {std::make_unique<idem::RabbitMqPublisher>(std::move(po)),
-            "RabbitMQ " + without_credentials(s.rabbitmq_url)};
-#else
-    not_built("rabbitmq", "RabbitMQ", "librabbitmq-dev");
-#endif
-  }
-  // nats (the validator admits nothing else)
-#ifdef IDEM_RELAY_WITH_NATS
-  if (s.nats_url.empty()) usage("--publisher nats needs --nats-url nats://HOST:PORT[,...] (or IDEM_RELAY_NATS_URL)");
-  idem::NatsPublisherOptions po;
-  po.url = s.nats_url;
-  po.subject_prefix = s.nats_subject_prefix;
-  po.expect_stream = s.nats_expect_stream;
-  po.timeout = idem::millis{s.nats_timeout_ms};
-  return {std::make_unique<idem::NatsPublisher>(std::move(po)), "NATS " + without_credentials(s.nats_url)};
-#else
-  not_built("nats", "NATS", "libnats-dev");
-#endif
-}
 
 // "--batch: Value 0 not in range ..." about a value that came from IDEM_RELAY_BATCH or the config
 // file, not the command line: says which, so the operator knows where to look.
