@@ -98,6 +98,8 @@ idem_pkgconfig(http_httplib DESCRIPTION "idem: the cpp-httplib adapter of idem::
 # Boost.Beast is header-only, in the default include path on Debian (libboost-dev).
 idem_pkgconfig(http_beast DESCRIPTION "idem: the Boost.Beast adapter of idem::http (needs libboost-dev headers)"
                REQUIRES idem-http)
+idem_pkgconfig(pqxx DESCRIPTION "idem: PostgresJoined over a libpqxx transaction (header-only)"
+               REQUIRES idem-postgres DEPS libpqxx)
 idem_pkgconfig(prometheus DESCRIPTION "idem: the Prometheus observer (prometheus-cpp)"
                REQUIRES idem DEPS prometheus-cpp-pull prometheus-cpp-core)
 

@@ -59,3 +59,5 @@ all_packages+=(doxygen prometheus)
 all_packages+=(libcpp-httplib-dev)
 # idem::nats (src/nats) and its tests, which start a real nats-server -js (tests/nats).
 all_packages+=(libnats-dev nats-server)
+# idem::pqxx (include/idem/pqxx.hpp): PostgresJoined over the application's libpqxx transaction.
+all_packages+=(libpqxx-dev)

@@ -4,6 +4,7 @@
 
 #include "idem/idem.hpp"
 #include "idem/postgres/client.hpp"
+#include "idem/postgres/joined.hpp"
 #include "idem/postgres/result.hpp"
 #include "idem/postgres/sequence_store.hpp"
 #include "idem/postgres/run_sequenced.hpp"

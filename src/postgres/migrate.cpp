@@ -81,6 +81,16 @@ void StoreImpl::ensure_migrated(PGconn* c) {
   migrated_ = true;
 }
 
+void StoreImpl::ensure_ready() {
+  if (!opt.auto_migrate) return;
+  {
+    std::lock_guard lk(migrate_mu_);
+    if (migrated_) return;
+  }
+  Session s(client.pool());
+  ensure_migrated(s.pg());
+}
+
 void StoreImpl::migrate() {
   Session s(client.pool());
   std::lock_guard lk(migrate_mu_);

@@ -209,6 +209,9 @@ class StoreImpl {
   // migrate.cpp
   void migrate();
   void ensure_migrated(PGconn* c);
+  // Migrates on a pooled session unless done already or auto_migrate is off (joined claims,
+  // which run on the application's connection and never migrate there).
+  void ensure_ready();
 
   // batch.cpp: acquire_many of requests `idx` (keys distinct), answers into out[idx[j]].
   void acquire_distinct(std::span<const AcquireRequest> requests, const std::vector<std::size_t>& idx,

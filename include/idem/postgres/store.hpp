@@ -20,6 +20,8 @@
 
 namespace idem {
 
+class PostgresJoined;
+
 /// How IdempotencyGuard drives a PostgresStore.
 enum class PostgresMode : std::uint8_t {
   lease,          ///< short transactions per transition, like the Redis store; any handler
@@ -244,6 +246,7 @@ class PostgresStore {
   [[nodiscard]] const std::string& qualified_table() const noexcept;
 
  private:
+  friend class PostgresJoined;  // its claims run this store's statements on the application's connection
   std::unique_ptr<detail::StoreImpl> impl_;
 };
 

@@ -15,9 +15,13 @@
 #ifdef CONSUMER_HAS_HTTP_BEAST
 #include <idem/http/beast.hpp>
 #endif
+#ifdef CONSUMER_HAS_PQXX  // brings libpqxx's headers and library along
+#include <idem/pqxx.hpp>
+#endif
 
 #include <cstdio>
 #include <string>
+#include <type_traits>
 
 int main() {
   idem::MemoryStore store;
@@ -51,6 +55,12 @@ int main() {
   idem::http::beast_request br{boost::beast::http::verb::post, "/charges", 11};
   ok = ok && idem::http::from_beast(br).target == "/charges";
   std::printf("http_beast: linked\n");
+#endif
+#ifdef CONSUMER_HAS_PQXX
+  static_assert(std::is_base_of_v<idem::JoinedConnection, idem::pqxx::Connection>);
+  // encrypt_password lives in libpqxx: the link line idem::pqxx brings must name it.
+  ok = ok && !pqxx::encrypt_password("u", "p").empty();
+  std::printf("pqxx: linked (libpqxx %s)\n", PQXX_VERSION);
 #endif
 #ifdef CONSUMER_OWN_FMT
   std::printf("built on the parent's own fmt::fmt\n");
