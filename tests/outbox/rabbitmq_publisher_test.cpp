@@ -139,7 +139,7 @@ TEST_CASE("RabbitMqPublisher: a missing exchange -> publish_error, the next publ
 
 // A real node halted and resumed (~20 s): in the dev build only; sanitizers add nothing to it here.
 #if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
-TEST_CASE("RabbitMqPublisher: broker stopped -> publish_error, broker back -> the batch goes", "[rabbitmq]") {
+TEST_CASE("RabbitMqPublisher: broker stopped -> publish_error, broker back -> the batch goes", "[rabbitmq][outage]") {
   auto broker = RabbitBroker::start_private();
   const std::string q = unique("outbox.outage");
   {

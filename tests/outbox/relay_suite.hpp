@@ -247,7 +247,8 @@ void relay_killed_after_publish_sent_again_applied_once(B& b) {
 #define IDEM_OUTBOX_RELAY_OUTAGE_CASE_(Broker, name, tag)
 #else
 #define IDEM_OUTBOX_RELAY_OUTAGE_CASE_(Broker, name, tag)                                         \
-  IDEM_OUTBOX_RELAY_CASE_(Broker, name, tag, "broker down -> rows wait, nothing lost, sent once the broker is back", \
+  IDEM_OUTBOX_RELAY_CASE_(Broker, name, tag "[outage]",                                                   \
+                          "broker down -> rows wait, nothing lost, sent once the broker is back",             \
                           broker_down_rows_wait_then_sent)
 #endif
 

@@ -2,11 +2,13 @@
 // commands.inc; each parses its own options and sets the exit code.
 
 #include <iostream>
+#include <string_view>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include "common.hpp"
+#include "docgen.hpp"
 #include "idem/core/version.hpp"
 
 #define IDEM_COMMAND(name) void register_##name(CLI::App&, idem::tool::Globals&);
@@ -23,6 +25,15 @@ int main(int argc, char** argv) {
 #define IDEM_COMMAND(name) register_##name(app, g);
 #include "commands.inc"
 #undef IDEM_COMMAND
+  // What the package installs (CMakeLists.txt): written from the definition above, not kept by hand.
+  if (argc == 2 && std::string_view(argv[1]) == "--bash-completion") {
+    std::cout << idem::tool::bash_completion(app);
+    return 0;
+  }
+  if (argc == 2 && std::string_view(argv[1]) == "--man-page") {
+    std::cout << idem::tool::man_page(app);
+    return 0;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -18,6 +18,37 @@
 #ifdef CONSUMER_HAS_PQXX  // brings libpqxx's headers and library along
 #include <idem/pqxx.hpp>
 #endif
+// The other components: each target's headers and link line (its client libraries) must resolve.
+#ifdef CONSUMER_HAS_ASIO
+#include <idem/asio/redis_store.hpp>
+#endif
+#ifdef CONSUMER_HAS_TIERED
+#include <idem/tiered.hpp>
+#endif
+#ifdef CONSUMER_HAS_OUTBOX
+#include <idem/outbox/relay.hpp>
+#endif
+#ifdef CONSUMER_HAS_OUTBOX_KAFKA
+#include <idem/outbox/kafka_publisher.hpp>
+#endif
+#ifdef CONSUMER_HAS_OUTBOX_RABBITMQ
+#include <idem/outbox/rabbitmq_publisher.hpp>
+#endif
+#ifdef CONSUMER_HAS_OUTBOX_NATS
+#include <idem/outbox/nats_publisher.hpp>
+#endif
+#ifdef CONSUMER_HAS_KAFKA
+#include <idem/kafka/source.hpp>
+#endif
+#ifdef CONSUMER_HAS_RABBITMQ
+#include <idem/rabbitmq/consumer.hpp>
+#endif
+#ifdef CONSUMER_HAS_NATS
+#include <idem/nats/consumer.hpp>
+#endif
+#ifdef CONSUMER_HAS_PROMETHEUS
+#include <idem/prometheus/observer.hpp>
+#endif
 
 #include <cstdio>
 #include <string>
@@ -62,6 +93,48 @@ int main() {
   ok = ok && !pqxx::encrypt_password("u", "p").empty();
   std::printf("pqxx: linked (libpqxx %s)\n", PQXX_VERSION);
 #endif
+  std::string parts;
+#ifdef CONSUMER_HAS_ASIO
+  static_assert(sizeof(idem::AsyncRedisStore) > 0);
+  parts += " asio";
+#endif
+#ifdef CONSUMER_HAS_TIERED
+  static_assert(sizeof(idem::TieredStore) > 0);
+  parts += " tiered";
+#endif
+#ifdef CONSUMER_HAS_OUTBOX
+  static_assert(sizeof(idem::OutboxRelay) > 0);
+  parts += " outbox";
+#endif
+#ifdef CONSUMER_HAS_OUTBOX_KAFKA
+  static_assert(sizeof(idem::KafkaPublisher) > 0);
+  parts += " outbox_kafka";
+#endif
+#ifdef CONSUMER_HAS_OUTBOX_RABBITMQ
+  static_assert(sizeof(idem::RabbitMqPublisher) > 0);
+  parts += " outbox_rabbitmq";
+#endif
+#ifdef CONSUMER_HAS_OUTBOX_NATS
+  static_assert(sizeof(idem::NatsPublisher) > 0);
+  parts += " outbox_nats";
+#endif
+#ifdef CONSUMER_HAS_KAFKA
+  static_assert(sizeof(idem::kafka::Source) > 0);
+  parts += " kafka";
+#endif
+#ifdef CONSUMER_HAS_RABBITMQ
+  static_assert(sizeof(idem::RabbitConsumer) > 0);
+  parts += " rabbitmq";
+#endif
+#ifdef CONSUMER_HAS_NATS
+  static_assert(sizeof(idem::NatsConsumer) > 0);
+  parts += " nats";
+#endif
+#ifdef CONSUMER_HAS_PROMETHEUS
+  static_assert(sizeof(idem::PrometheusObserver) > 0);
+  parts += " prometheus";
+#endif
+  std::printf("components linked:%s\n", parts.c_str());
 #ifdef CONSUMER_OWN_FMT
   std::printf("built on the parent's own fmt::fmt\n");
 #endif
