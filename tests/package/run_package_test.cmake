@@ -123,12 +123,10 @@ elseif(MODE STREQUAL "pkgconfig")
   set(build "${WORK_DIR}/make-consumer")
   file(COPY "${CMAKE_CURRENT_LIST_DIR}/pkgconfig_consumer/Makefile" "${CMAKE_CURRENT_LIST_DIR}/pkgconfig_consumer/main.cpp"
        DESTINATION "${build}")
-  set(used idem)
-  foreach(module idem-redis idem-postgres)
-    if(module IN_LIST MODULES)
-      list(APPEND used ${module})
-    endif()
-  endforeach()
+  # Every installed module on one compile and link line: each .pc's flags and libraries must
+  # resolve together; main.cpp calls into redis and postgres (HAS_idem_redis, HAS_idem_postgres).
+  set(used idem ${MODULES})
+  list(REMOVE_DUPLICATES used)
   string(REPLACE ";" " " used "${used}")
   run(${make} -C "${build}" "MODULES=${used}" "PKG_CONFIG=${pkg_config}")
   capture(out "${build}/consumer")
