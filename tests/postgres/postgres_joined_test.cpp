@@ -263,7 +263,7 @@ TEMPLATE_TEST_CASE("joined: a key another transaction holds answers in_flight, a
   REQUIRE(b.commit());
 }
 
-TEMPLATE_TEST_CASE("joined: the session killed between the business write and COMMIT leaves no trace; the "
+TEMPLATE_TEST_CASE("joined: the session killed between the business write and COMMIT leaves no trace, the "
                    "redelivery runs once",
                    "[postgres][joined]", IDEM_JOINED_APPS) {
   Table t;
