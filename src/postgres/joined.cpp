@@ -251,10 +251,7 @@ WriteStatus PostgresJoined::Transaction::fail(const FailParams& f) {
   // The failure is recorded on a session of the store's own, in a transaction of its own: the
   // rollback to the savepoint released the claim's row and lock in the application's transaction.
   detail::StoreImpl& impl = *joined_->store_->impl_;
-  detail::Params p;
-  p.bin(key_).bin(fingerprint_).text(owner_).num(detail::as_i64(decision_.holder.fence));
-  p.num(detail::as_i64(decision_.holder.token)).num(decision_.attempts).bin(f.error).boolean(f.permanent);
-  p.num(std::max<std::int64_t>(0, f.backoff.count())).num(f.retention.count()).text(impl.lock_timeout_text);
+  const detail::Params p = impl.failure_record(key_, fingerprint_, owner_, decision_, f);
   PostgresResult r = impl.exchange(detail::kRecordFailure, detail::kRecordFailure, p, "record failure", true);
   const PGresult* res = detail::ResultAccess::native(r);
   if (!detail::result_ok(res)) {

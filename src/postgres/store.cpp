@@ -218,6 +218,15 @@ Params StoreImpl::acquire_params(std::string_view key, const AcquireParams& ap, 
   return p;
 }
 
+Params StoreImpl::failure_record(std::string_view key, std::string_view fingerprint, const std::string& owner,
+                                 const AcquireResult& d, const FailParams& f) const {
+  Params p;
+  p.bin(key).bin(fingerprint).text(owner).num(as_i64(d.holder.fence)).num(as_i64(d.holder.token)).num(d.attempts);
+  p.bin(f.error).boolean(f.permanent).num(std::max<std::int64_t>(0, f.backoff.count())).num(f.retention.count());
+  p.text(lock_timeout_text);
+  return p;
+}
+
 std::int64_t StoreImpl::claim_lock_id(std::string_view key) const {
   std::string in;
   in.reserve(qt.size() + 1 + key.size());

@@ -233,6 +233,10 @@ class StoreImpl {
   // The parameters of complete / complete_unavailable (key, fence, token, value, retention), checked.
   Params completion(std::string_view key, const Holder& h, std::string_view value, millis retention) const;
   Params acquire_params(std::string_view key, const AcquireParams& ap, const std::string& owner, bool tx) const;
+  // kRecordFailure's parameters: the failure of a claim `d` of `key` rolled back, written afresh
+  // (transactional mode and joined claims). Views into key, fingerprint and f.error.
+  Params failure_record(std::string_view key, std::string_view fingerprint, const std::string& owner,
+                        const AcquireResult& d, const FailParams& f) const;
   // The key's claim lock (claim_wait none): the first 8 bytes of SHA-256(qualified table, NUL,
   // key), big-endian, as the bigint of pg_try_advisory_xact_lock.
   std::int64_t claim_lock_id(std::string_view key) const;

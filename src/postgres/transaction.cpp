@@ -254,10 +254,7 @@ WriteStatus PostgresStore::Transaction::fail(const FailParams& f) {
     release(rolled_back);
     return WriteStatus::ok;
   }
-  Params p;
-  p.bin(key_).bin(fingerprint_).text(owner_).num(detail::as_i64(decision_.holder.fence));
-  p.num(detail::as_i64(decision_.holder.token)).num(decision_.attempts).bin(f.error).boolean(f.permanent);
-  p.num(std::max<std::int64_t>(0, f.backoff.count())).num(f.retention.count()).text(store_->lock_timeout_text);
+  const Params p = store_->failure_record(key_, fingerprint_, owner_, decision_, f);
   conn_->sync_cancelled = false;
   // It commits on its own (the rollback ended the transaction): bounded as every write is.
   PostgresResult r;
