@@ -256,7 +256,7 @@ private:
       std::unique_ptr<Op> op = std::move(queued_.front());
       queued_.pop_front();
       // A resent step stays alone: its in-doubt handling is its own; so does one sent after ASKING.
-      if (op->step == nullptr || op->resent || op->asking || op->solo || opt_.auto_batch <= 1) {
+      if (op->step == 0 || op->resent || op->asking || op->solo || opt_.auto_batch <= 1) {
         put(std::move(op));
         continue;
       }

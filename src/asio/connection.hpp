@@ -64,9 +64,11 @@ struct Op {
   IoFailure first;            // why the first sending was lost
   Clock::time_point deadline; // command_timeout from the write
   // Auto-batching: a one-key step's place in `bytes` (its single-key EVALSHA), so the connection
-  // can send it inside one `many` call with other callers' steps. `step` is many.lua's name for it
-  // ("a5", "c4", ...), null when the request goes alone (inspect, the connection's own).
-  const char* step = nullptr;
+  // can send it inside one `many` call with other callers' steps. `step` is many.lua's letter for
+  // its full form ('A' acquire, 'C' complete, 'U' complete without the result, 'f' fail, 'e'
+  // extend; coalesce() picks the short one where it fits), 0 when the request goes alone
+  // (inspect, the connection's own).
+  char step = 0;
   std::uint32_t key_at = 0;      // the key's bulk string
   std::uint32_t args_at = 0;     // the first argument's (they run to script_end)
   std::uint32_t script_end = 0;  // the end of the EVALSHA (a WAIT may follow it)

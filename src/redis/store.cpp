@@ -56,6 +56,18 @@ AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint
     out.holder = {1, token};
     return out;
   }
+  // A duplicate of the usual completed record: the record itself (completed_reply in record.lua):
+  // header 0xA2, a 1-byte generation, the token, a 32-bit payload length reaching the last byte.
+  if (r->type == REDIS_REPLY_STRING) {
+    const auto* b = reinterpret_cast<const unsigned char*>(r->str);
+    if (r->len < 14 || b[0] != 0xA2 || b[1] == 0 ||
+        (std::uint32_t{b[10]} << 24 | std::uint32_t{b[11]} << 16 | std::uint32_t{b[12]} << 8 | b[13]) != r->len - 14)
+      bad_reply("acquire", key);
+    out.status = AcquireStatus::duplicate;
+    out.attempts = b[1];
+    out.payload.assign(r->str + 14, r->len - 14);
+    return out;
+  }
   if (r->type != REDIS_REPLY_ARRAY || r->elements < 2) bad_reply("acquire", key);
   const std::int64_t code = integer(r->element[0], "acquire", key);
   const auto gen = static_cast<std::uint64_t>(integer(r->element[1], "acquire", key));

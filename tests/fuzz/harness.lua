@@ -71,6 +71,11 @@ if op == 'acquire' then
   if not okf then error({err = 'HARNESS completed_reply raised an error: ' .. tostring(c)}) end
   if c == nil then return 'ok' end
   if not okd then error({err = 'HARNESS completed_reply answered for a record decode refuses'}) end
+  -- The record itself, for the usual completed one: read as parse_acquire reads it.
+  if type(c) == 'string' then
+    if c ~= s or string.byte(s, 1) ~= 162 or #s < 14 then error({err = 'HARNESS completed_reply answered other bytes'}) end
+    c = {3, string.byte(s, 2), string.sub(s, 15)}
+  end
   local want
   if fp ~= '' and r.fp ~= '' and r.fp ~= fp then want = {5, r.gen}
   elseif r.st ~= 2 then error({err = 'HARNESS completed_reply answered for a record in state ' .. r.st})
