@@ -78,6 +78,8 @@ idem_pkgconfig(redis DESCRIPTION "idem: RedisStore and RedisSequenceStore (hired
                REQUIRES idem DEPS hiredis libssl libcrypto)
 idem_pkgconfig(postgres DESCRIPTION "idem: PostgresStore, PostgresSequenceStore and the outbox writer (libpq)"
                REQUIRES idem libpq)
+idem_pkgconfig(sqlite DESCRIPTION "idem: SqliteStore and SqliteSequenceStore in one SQLite file (libsqlite3)"
+               REQUIRES idem DEPS sqlite3)
 # Boost.Asio is header-only and has no pkg-config module: its headers are in the default include
 # path on Debian (libboost-dev), so nothing is added for it.
 idem_pkgconfig(asio DESCRIPTION "idem: AsyncRedisStore and run_async on Boost.Asio (needs libboost-dev headers)"
@@ -142,6 +144,9 @@ if(TARGET idem_redis)
 endif()
 if(TARGET idem_postgres)
   list(APPEND _idem_dev_depends libpq-dev)
+endif()
+if(TARGET idem_sqlite)
+  list(APPEND _idem_dev_depends libsqlite3-dev)
 endif()
 if(TARGET idem_asio)
   list(APPEND _idem_dev_depends "libboost-dev (>= 1.74)")

@@ -61,3 +61,5 @@ all_packages+=(libcpp-httplib-dev)
 all_packages+=(libnats-dev nats-server)
 # idem::pqxx (include/idem/pqxx.hpp): PostgresJoined over the application's libpqxx transaction.
 all_packages+=(libpqxx-dev)
+# idem::sqlite (src/sqlite): SqliteStore in one SQLite file, no server.
+all_packages+=(libsqlite3-dev)

@@ -163,7 +163,7 @@ elseif(MODE STREQUAL "deb")
       set(files ./usr/include/idem/idem.hpp /idemConfig.cmake /idemConfigVersion.cmake /pkgconfig/idem.pc)
       foreach(pair "idem-redis:libhiredis-dev" "idem-postgres:libpq-dev" "idem-asio:libboost-dev"
                    "idem-outbox-kafka:librdkafka-dev" "idem-outbox-rabbitmq:librabbitmq-dev"
-                   "idem-prometheus:prometheus-cpp-dev")
+                   "idem-prometheus:prometheus-cpp-dev" "idem-sqlite:libsqlite3-dev")
         string(REPLACE ":" ";" pair "${pair}")
         list(GET pair 0 module)
         list(GET pair 1 dep)

@@ -49,6 +49,9 @@
 #ifdef CONSUMER_HAS_PROMETHEUS
 #include <idem/prometheus/observer.hpp>
 #endif
+#ifdef CONSUMER_HAS_SQLITE
+#include <idem/sqlite.hpp>
+#endif
 
 #include <cstdio>
 #include <string>
@@ -133,6 +136,15 @@ int main() {
 #ifdef CONSUMER_HAS_PROMETHEUS
   static_assert(sizeof(idem::PrometheusObserver) > 0);
   parts += " prometheus";
+#endif
+#ifdef CONSUMER_HAS_SQLITE
+  // Refused before SQLite opens anything, but linked through libidem_sqlite and libsqlite3.
+  try {
+    idem::SqliteStore sq{idem::SqliteOptions{}};
+    ok = false;
+  } catch (const idem::invalid_options_error&) {
+  }
+  parts += " sqlite";
 #endif
   std::printf("components linked:%s\n", parts.c_str());
 #ifdef CONSUMER_OWN_FMT

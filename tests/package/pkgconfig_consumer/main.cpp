@@ -9,6 +9,9 @@
 #include <idem/outbox/writer.hpp>
 #include <idem/postgres.hpp>
 #endif
+#ifdef HAS_idem_sqlite
+#include <idem/sqlite.hpp>
+#endif
 
 #include <fmt/format.h>
 
@@ -37,6 +40,15 @@ int main() {
   const std::string id = idem::outbox_message_id("idem.idem_records", "order-1", 0);
   ok = ok && id.size() == 34 && id.substr(32) == "-0";
   parts += " postgres";
+#endif
+#ifdef HAS_idem_sqlite
+  // The options check lives in libidem_sqlite; an empty path is refused before SQLite opens anything.
+  try {
+    idem::SqliteStore sq{idem::SqliteOptions{}};
+    ok = false;
+  } catch (const idem::invalid_options_error&) {
+  }
+  parts += " sqlite";
 #endif
   fmt::print("pkg-config consumer, idem {}:{} {}\n", idem::version_string, parts, ok ? "ok" : "FAILED");
   return ok ? 0 : 1;
