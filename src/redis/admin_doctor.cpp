@@ -161,7 +161,7 @@ std::vector<Finding> RedisAdmin::doctor() {
         add(Severity::error, "acl",
             fmt::format("user {} may not run {} on {}*: every store call will fail (NOPERM)", user, list,
                         impl_->opt.key_prefix),
-            fmt::format("ACL SETUSER {} ~{}* +evalsha +script|load +get +set +pttl +pexpire +time", user,
+            fmt::format("ACL SETUSER {} ~{}* +evalsha +script|load +get +mget +set +pttl +pexpire +time", user,
                         impl_->opt.key_prefix));
       } else {
         add(Severity::ok, "acl",

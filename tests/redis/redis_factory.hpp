@@ -34,7 +34,7 @@ inline AcquireParams acquire_params(std::uint64_t token) {
 inline const std::vector<std::string>& acl_config() {
   static const std::vector<std::string> lines{
       "user default off",
-      "user idem-app on \">app secret!\" ~idem:* -@all +evalsha +script|load +get +set +pttl +pexpire +time",
+      "user idem-app on \">app secret!\" ~idem:* -@all +evalsha +script|load +get +mget +set +pttl +pexpire +time",
   };
   return lines;
 }

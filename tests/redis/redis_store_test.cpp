@@ -323,6 +323,71 @@ TEST_CASE("redis batch claim and complete", "[redis][batch]") {
   CHECK_THROWS_AS(store.acquire_batch(with_empty, params(12)), idem::invalid_key_error);
 }
 
+namespace {
+struct Warnings : idem::Observer {
+  std::vector<std::string> seen;
+  void on_warning(std::string_view m) noexcept override { seen.emplace_back(m); }
+};
+
+long calls_of(RedisServer& srv, const std::string& cmd) {
+  const std::string info = srv.command({"INFO", "commandstats"});
+  const auto at = info.find("cmdstat_" + cmd + ":calls=");
+  return at == std::string::npos ? 0 : std::stol(info.substr(at + cmd.size() + 15));
+}
+
+// Three completed keys (one with an empty result), one held, then acquire_many of them and a new key.
+void batch_of_duplicates(RedisStore& store, RedisServer& srv, const std::string& ns, long mget_calls) {
+  for (int i = 0; i < 3; ++i) {
+    const std::string k = ns + "done" + std::to_string(i);
+    auto a = store.acquire(k, params(40 + static_cast<std::uint64_t>(i)));
+    REQUIRE(store.complete(k, a.holder, i == 2 ? "" : "r" + std::to_string(i), 60s) == WriteStatus::ok);
+  }
+  REQUIRE(store.acquire(ns + "held", params(50)).status == AcquireStatus::acquired);
+  const std::string d0 = ns + "done0", d1 = ns + "done1", d2 = ns + "done2", held = ns + "held", fresh = ns + "new";
+  srv.command({"CONFIG", "RESETSTAT"});
+  const std::vector<idem::AcquireRequest> req{{d0, params(60)}, {fresh, params(61)}, {d1, params(62)},
+                                              {held, params(63)}, {d2, params(64)}, {d0, params(65)}};
+  const auto out = store.acquire_many(req);
+  REQUIRE(out.size() == req.size());
+  CHECK(out[0].status == AcquireStatus::duplicate);
+  CHECK(out[0].payload == "r0");
+  CHECK(out[0].attempts == 1);
+  CHECK(out[1].status == AcquireStatus::acquired);
+  CHECK(out[1].holder.token == 61);
+  CHECK(out[2].payload == "r1");
+  CHECK(out[3].status == AcquireStatus::in_flight);
+  CHECK(out[4].status == AcquireStatus::duplicate);
+  CHECK(out[4].payload.empty());  // header 0x82: no payload section, so the script decided it
+  CHECK(out[5].status == AcquireStatus::duplicate);
+  CHECK(calls_of(srv, "mget") == mget_calls);
+  CHECK(calls_of(srv, "evalsha") == 1);
+  // Only duplicates of the usual record: no script at all.
+  srv.command({"CONFIG", "RESETSTAT"});
+  const std::vector<idem::AcquireRequest> dups{{d0, params(70)}, {d1, params(71)}};
+  for (const auto& r : store.acquire_many(dups)) CHECK(r.status == AcquireStatus::duplicate);
+  CHECK(calls_of(srv, "evalsha") == (mget_calls ? 0 : 1));
+}
+}  // namespace
+
+TEST_CASE("redis batch: completed keys read by one MGET, the script decides only the rest", "[redis][batch]") {
+  RedisStore store(server().options());
+  batch_of_duplicates(store, server(), "mget-" + idem::test::random_hex() + ":", 1);
+}
+
+TEST_CASE("redis batch: a user without +mget is warned once and every key goes through the script", "[redis][batch]") {
+  static RedisServer srv{{"user idem-nomget on >pw ~* -@all +evalsha +script|load +get +set +pttl +pexpire +time "
+                          "+config|get +info +config|resetstat"}};
+  RedisOptions o;
+  o.url = "redis://idem-nomget:pw@127.0.0.1:" + std::to_string(srv.port()) + "/0";
+  auto w = std::make_shared<Warnings>();
+  o.observer = w;
+  RedisStore store(o);
+  const std::size_t before = w->seen.size();
+  batch_of_duplicates(store, srv, "nomget-" + idem::test::random_hex() + ":", 0);
+  REQUIRE(w->seen.size() == before + 1);
+  CHECK(w->seen.back().find("+mget") != std::string::npos);
+}
+
 TEST_CASE("redis over a unix socket and in another database", "[redis][connect]") {
   RedisOptions o;
   o.url = std::string("unix://") + idem::test::admin_user + ":" + server().admin_password() + "@" +
