@@ -84,6 +84,22 @@ void check_key_size(std::string_view key) {
 
 }  // namespace
 
+std::vector<std::string> record_schema_scripts(const std::string& table) {
+  const std::string t = sqlite_quote(table);
+  const std::string idx = sqlite_quote(table + "_expires");
+  return {
+      // v1: the record of docs/design.md §1, one row per key. Strings are blobs: keys, results and
+      // owners are bytes, never re-encoded.
+      "CREATE TABLE " + t +
+          " (key BLOB NOT NULL PRIMARY KEY, state INTEGER NOT NULL, fence INTEGER NOT NULL, token INTEGER NOT NULL, "
+          "owner BLOB NOT NULL, lease_until INTEGER NOT NULL, retry_at INTEGER NOT NULL, attempts INTEGER NOT NULL, "
+          "permanent INTEGER NOT NULL, fingerprint BLOB NOT NULL, result BLOB NOT NULL, error BLOB NOT NULL, "
+          "expires_at INTEGER NOT NULL)",
+      // v2: purge_expired finds expired rows through an index instead of a full scan.
+      "CREATE INDEX IF NOT EXISTS " + idx + " ON " + t + " (expires_at)",
+  };
+}
+
 SqliteStoreImpl::SqliteStoreImpl(SqliteOptions o) : opt(std::move(o)) {
   if (opt.path.empty())
     throw invalid_options_error("idem: SqliteOptions::path is empty; give the database file's path");
@@ -101,18 +117,7 @@ SqliteStoreImpl::SqliteStoreImpl(SqliteOptions o) : opt(std::move(o)) {
   if (opt.max_idle_connections == 0)
     throw invalid_options_error("idem: SqliteOptions::max_idle_connections is 0; keep at least one connection");
   const std::string t = sqlite_quote(opt.table);
-  const std::string idx = sqlite_quote(opt.table + "_expires");
-  scripts = {
-      // v1: the record of docs/design.md §1, one row per key. Strings are blobs: keys, results and
-      // owners are bytes, never re-encoded.
-      "CREATE TABLE " + t +
-          " (key BLOB NOT NULL PRIMARY KEY, state INTEGER NOT NULL, fence INTEGER NOT NULL, token INTEGER NOT NULL, "
-          "owner BLOB NOT NULL, lease_until INTEGER NOT NULL, retry_at INTEGER NOT NULL, attempts INTEGER NOT NULL, "
-          "permanent INTEGER NOT NULL, fingerprint BLOB NOT NULL, result BLOB NOT NULL, error BLOB NOT NULL, "
-          "expires_at INTEGER NOT NULL)",
-      // v2: purge_expired finds expired rows through an index instead of a full scan.
-      "CREATE INDEX IF NOT EXISTS " + idx + " ON " + t + " (expires_at)",
-  };
+  scripts = record_schema_scripts(opt.table);
   sel_sql = "SELECT state, fence, token, owner, lease_until, retry_at, attempts, permanent, fingerprint, result, error, "
             "expires_at FROM " + t + " WHERE key = ?1";
   insert_sql = "INSERT OR REPLACE INTO " + t +

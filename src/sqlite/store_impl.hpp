@@ -40,6 +40,10 @@ struct HeldWrite {
   millis backoff{0};
 };
 
+/// The schema scripts of a records table, one per version (scripts[v-1] makes version v); the
+/// admin's sqlite_migration_sql prints the same.
+std::vector<std::string> record_schema_scripts(const std::string& table);
+
 class SqliteStoreImpl {
  public:
   explicit SqliteStoreImpl(SqliteOptions o);

@@ -1,6 +1,6 @@
 // Chaos run: exactly-once effects on top of at-least-once delivery, measured.
 //
-//   idem_chaos [--large] [--events N] [--setups abcdefgijk] [--seed S]     the driver (IDEM_CHAOS_LARGE=1 = --large)
+//   idem_chaos [--large] [--events N] [--setups abcdefgijklm] [--seed S]   the driver (IDEM_CHAOS_LARGE=1 = --large)
 //   idem_chaos worker SETUP REDIS_PORT CONNINFO CONSUMER STATS_FILE    one consumer (exec'ed by the driver)
 //
 // The driver starts its own redis-server (AOF, appendfsync always, so the stream, the consumer
@@ -47,7 +47,16 @@
 //       asynchronous replication instead and reports, without failing on them, what is lost;
 //   (k) as (j), PostgresStore in lease mode: the claim and completion are short transactions of
 //       their own, the handler's business transaction dedupes with applied_events ON CONFLICT.
-// Exit status 1 when (a), (b), (d), (e), (f), (g), (i), (j) or (k) has a double effect, a lost message or a wrong balance, when
+//   (l) SqliteStore transactional mode on one file the four consumer processes share (no
+//       server: the file is the truth; IDEM_CHAOS_SQLITE_PATH): balance UPDATE + effects INSERT
+//       through ctx.tx, killed anywhere — mid-handler, mid-commit, between claim and handler. No
+//       PostgreSQL restart (nothing of it is on PostgreSQL); synchronous=NORMAL, which loses
+//       nothing at a process crash (only a power cut, not injected here);
+//   (m) as (l), SqliteStore in lease mode with a plain business transaction of its own (BEGIN
+//       IMMEDIATE, UPDATE + INSERT, COMMIT on another connection): a crash between that commit
+//       and the completion runs the event again after the lease. Like (c), its double effects are
+//       the lease-mode window, counted and reported, not failed on (docs/sqlite.md).
+// Exit status 1 when (a), (b), (d), (e), (f), (g), (i), (j), (k) or (l) has a double effect, a lost message or a wrong balance, when
 // any setup loses a message, or when a run does not finish in its time bound.
 //
 // The driver is single-threaded: it forks (to exec) only from one thread.
@@ -91,6 +100,11 @@
 #include "idem/redis/streams_consumer.hpp"
 #include "idem/tiered.hpp"
 #include "idem/outbox/outbox.hpp"
+#ifdef IDEM_CHAOS_SQLITE
+#include <sqlite3.h>
+
+#include "idem/sqlite.hpp"
+#endif
 #include "redis_cluster.hpp"
 #include "redis_server.hpp"
 #include "worker_io.hpp"
@@ -356,6 +370,42 @@ int worker_main(int argc, char** argv) {
   std::optional<idem::TieredStore> ts;
   std::optional<idem::IdempotencyGuard<idem::TieredStore>> tguard;
   Pg biz(conninfo);
+#ifdef IDEM_CHAOS_SQLITE
+  // (l), (m): the driver's SQLite file; (m)'s business transactions on a connection of their own.
+  std::optional<idem::SqliteStore> sqs;
+  std::optional<idem::IdempotencyGuard<idem::SqliteStore>> sguard;
+  struct SqliteHandle {
+    sqlite3* db = nullptr;
+    ~SqliteHandle() { sqlite3_close_v2(db); }
+  } sqbiz;
+  const char* sqlite_path = std::getenv("IDEM_CHAOS_SQLITE_PATH");
+  auto sqlite_guard = [&]() -> idem::IdempotencyGuard<idem::SqliteStore>& {
+    if (!sqs) {
+      sqs.emplace(idem::SqliteOptions{.path = sqlite_path ? sqlite_path : "",
+                                      .mode = setup == 'l' ? idem::SqliteMode::transactional : idem::SqliteMode::lease,
+                                      .synchronous = idem::SqliteSync::normal,
+                                      .busy_timeout = idem::millis{5000}});
+      sguard.emplace(*sqs, go);
+    }
+    return *sguard;
+  };
+  // (m): not idempotent on its own: a redelivery after a crash past this commit applies it again.
+  auto apply_sqlite_plain = [&](const Entry& e) {
+    if (!sqbiz.db) {
+      if (sqlite3_open(sqlite_path ? sqlite_path : "", &sqbiz.db) != SQLITE_OK) throw business_error("sqlite open");
+      sqlite3_busy_timeout(sqbiz.db, 5000);
+      sqlite3_exec(sqbiz.db, "PRAGMA synchronous=NORMAL", nullptr, nullptr, nullptr);
+    }
+    const std::string sql = "BEGIN IMMEDIATE; UPDATE m_accounts SET balance = balance + " +
+                            std::to_string(std::stoll(e.amount)) + " WHERE id = " + std::to_string(std::stoi(e.account)) +
+                            "; INSERT INTO m_effects(event_id) VALUES ('" + e.event + "'); COMMIT;";
+    if (sqlite3_exec(sqbiz.db, sql.c_str(), nullptr, nullptr, nullptr) != SQLITE_OK) {
+      const std::string why = sqlite3_errmsg(sqbiz.db);
+      if (sqlite3_get_autocommit(sqbiz.db) == 0) sqlite3_exec(sqbiz.db, "ROLLBACK", nullptr, nullptr, nullptr);
+      throw business_error("sqlite business transaction: " + why);
+    }
+  };
+#endif
 
   auto redis_guard = [&]() -> idem::IdempotencyGuard<idem::RedisStore>& {
     if (!rs) {
@@ -400,6 +450,10 @@ int worker_main(int argc, char** argv) {
     tguard.reset();
     ts.reset();
     dpg.reset();
+#ifdef IDEM_CHAOS_SQLITE
+    sguard.reset();
+    sqs.reset();
+#endif
   };
 
   // (b) and (d): the business transaction records the event id (ON CONFLICT DO NOTHING) and skips
@@ -427,6 +481,19 @@ int worker_main(int argc, char** argv) {
 
   auto run_one = [&](const Entry& e, Pg& db) -> idem::Status {
     const std::string payload = e.account + "|" + e.amount;
+#ifdef IDEM_CHAOS_SQLITE
+    if (setup == 'l') {
+      auto out = sqlite_guard().run(e.event, payload, [&](const idem::BasicContext<idem::SqliteStore::Transaction>& ctx) {
+        ctx.tx->exec("UPDATE l_accounts SET balance = balance + ? WHERE id = ?", std::stoll(e.amount), std::stoi(e.account));
+        ctx.tx->exec("INSERT INTO l_effects(event_id) VALUES (?)", e.event);
+      });
+      return out.status;
+    }
+    if (setup == 'm') {
+      auto out = sqlite_guard().run(e.event, payload, [&] { apply_sqlite_plain(e); });
+      return out.status;
+    }
+#endif
     if (setup == 'a' || setup == 'j') {
       if (!pgs) {
         pgs.emplace(idem::PostgresOptions{.conninfo = conninfo, .pool = {.size = 2, .wait = idem::millis{3000}},
@@ -771,6 +838,42 @@ long long stats_lines(const std::string& dir) {
   return bytes / 2;
 }
 
+#ifdef IDEM_CHAOS_SQLITE
+// (l), (m): SQL on the setup's file from the driver (tables, then the counts); rows of two columns.
+std::vector<std::pair<std::string, long long>> sqlite_rows(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  std::vector<std::pair<std::string, long long>> out;
+  if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) {
+    sqlite3_close(db);
+    throw std::runtime_error("sqlite open " + path);
+  }
+  sqlite3_busy_timeout(db, 10000);
+  const char* rest = sql.c_str();
+  while (rest && *rest) {
+    sqlite3_stmt* st = nullptr;
+    if (sqlite3_prepare_v2(db, rest, -1, &st, &rest) != SQLITE_OK) {
+      const std::string why = sqlite3_errmsg(db);
+      sqlite3_close(db);
+      throw std::runtime_error("sqlite: " + why);
+    }
+    if (!st) break;  // trailing whitespace
+    int rc;
+    while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+      const auto* t = sqlite3_column_text(st, 0);
+      out.emplace_back(t ? reinterpret_cast<const char*>(t) : "", sqlite3_column_count(st) > 1 ? sqlite3_column_int64(st, 1) : 0);
+    }
+    sqlite3_finalize(st);
+    if (rc != SQLITE_DONE) {
+      const std::string why = sqlite3_errmsg(db);
+      sqlite3_close(db);
+      throw std::runtime_error("sqlite: " + why);
+    }
+  }
+  sqlite3_close(db);
+  return out;
+}
+#endif
+
 struct Result {
   bool ok = false;
   bool finished = false;
@@ -810,6 +913,22 @@ public:
       std::getline(in, ci);
     }
 
+    // (l), (m): the setup's own SQLite file (records and business tables), new for each run.
+    const bool on_sqlite = setup == 'l' || setup == 'm';
+    const std::string sqlite_path = dir + "/chaos.sqlite";
+#ifdef IDEM_CHAOS_SQLITE
+    if (on_sqlite) {
+      for (const char* ext : {"", "-wal", "-shm"}) std::filesystem::remove(sqlite_path + ext);
+      ::setenv("IDEM_CHAOS_SQLITE_PATH", sqlite_path.c_str(), 1);
+      idem::SqliteStore(idem::SqliteOptions{.path = sqlite_path}).migrate();
+      sqlite_rows(sqlite_path, "CREATE TABLE " + T + "_accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL DEFAULT 0); "
+                               "WITH RECURSIVE g(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM g WHERE i < " +
+                                   std::to_string(kAccounts - 1) + ") INSERT INTO " + T + "_accounts SELECT i, 0 FROM g; "
+                               "CREATE TABLE " + T + "_effects (event_id TEXT NOT NULL);");
+    }
+#else
+    if (on_sqlite) throw std::runtime_error("setups (l) and (m) need idem::sqlite, not built here (libsqlite3-dev)");
+#endif
     // Tables: accounts, the append-only effects log (no uniqueness: it counts every application).
     {
       Pg pg(ci);
@@ -917,7 +1036,8 @@ public:
     size_t published = 0;
     long long republished = 0;
     long long crashes = 0, unexpected_exits = 0, restarts = 0;
-    bool redis_restarted = false, pg_restarted = false;
+    // (l), (m) keep nothing on PostgreSQL: its restart would test nothing of theirs.
+    bool redis_restarted = false, pg_restarted = on_sqlite;
     long long pg_failovers = 0;
     auto last_check = t0;
     const size_t chunk = 400;  // per 50 ms: 8,000 events/s, so production overlaps consumption
@@ -1066,7 +1186,12 @@ public:
     // Measure: what the business transactions applied, per event.
     Pg pg(ci);
     std::unordered_map<std::string, long long> applied;
-    {
+    if (on_sqlite) {
+#ifdef IDEM_CHAOS_SQLITE
+      for (auto& [id, n] : sqlite_rows(sqlite_path, "SELECT event_id, count(*) FROM " + T + "_effects GROUP BY event_id"))
+        applied[id] = n;
+#endif
+    } else {
       auto rows = pg.exec("SELECT event_id, count(*) FROM " + T + "_effects GROUP BY event_id");
       for (int i = 0; i < rows.rows(); ++i) applied[std::string(rows.get(i, 0))] = std::atoll(std::string(rows.get(i, 1)).c_str());
     }
@@ -1100,7 +1225,15 @@ public:
       if (n == 0) ++res.lost;
       if (n > 1) res.doubles += n - 1;
     }
-    {
+    if (on_sqlite) {
+#ifdef IDEM_CHAOS_SQLITE
+      for (auto& [id_text, bal] : sqlite_rows(sqlite_path, "SELECT id, balance FROM " + T + "_accounts ORDER BY id")) {
+        const auto id = static_cast<size_t>(std::atoi(id_text.c_str()));
+        if (id < expected.size() && bal != expected[id]) ++res.bad_balances;
+        if (id < explained.size() && bal != explained[id]) ++res.unexplained;
+      }
+#endif
+    } else {
       auto rows = pg.exec("SELECT id, balance FROM " + (setup == 'e' ? std::string("ed") : T) + "_accounts ORDER BY id");
       for (int i = 0; i < rows.rows(); ++i) {
         const auto id = static_cast<size_t>(std::atoi(std::string(rows.get(i, 0)).c_str()));
@@ -1132,7 +1265,10 @@ public:
                            "DO NOTHING",
                            "PostgreSQL transactional mode on a replicated pair, three failovers",
                            "PostgresStore lease mode on a replicated pair, three failovers + PostgreSQL transaction with "
-                           "applied_events ON CONFLICT DO NOTHING"};
+                           "applied_events ON CONFLICT DO NOTHING",
+                           "SqliteStore transactional mode, four processes on one file (balance UPDATE through ctx.tx)",
+                           "SqliteStore lease mode, four processes on one file + a plain SQLite business transaction "
+                           "(the lease window counted)"};
     std::printf("setup (%c) %s: %d events, %lld published (%lld duplicates), wall %.1f s%s\n", setup,
                 names[setup - 'a'], n_events, planned, planned - n_events, wall, res.finished ? "" : g_stop ? " — INTERRUPTED (counts below are partial)" : " — DID NOT FINISH in its time bound");
     std::printf("(%c) deliveries: %lld\n", setup, c['D']);
@@ -1158,7 +1294,8 @@ public:
     std::printf("(%c) in-flight left for redelivery: %lld, lease lost: %lld, dead-lettered: %lld, store/db errors retried: %lld\n",
                 setup, c['I'], c['L'], dlq, c['E'] + c['B']);
     std::printf("(%c) crashes injected: %lld (unexpected consumer exits: %lld)\n", setup, crashes, unexpected_exits);
-    std::printf("(%c) server restarts: %lld (redis-server SIGKILL + AOF restart, PostgreSQL restart)\n", setup, restarts);
+    std::printf("(%c) server restarts: %lld (redis-server SIGKILL + AOF restart%s)\n", setup, restarts,
+                setup == 'l' || setup == 'm' ? "; the SQLite file has no server" : ", PostgreSQL restart");
     if (setup == 'e')
       std::printf("(e) upstream double effects: %lld, upstream lost: %lld; relays killed: %lld, downstream consumers "
                   "killed: %lld\n",
@@ -1170,7 +1307,11 @@ public:
     std::fflush(stdout);
     (void)republished;
 
-    if (setup == 'c' || setup == 'h')
+    if (setup == 'm')
+      std::printf("(m) lease-mode window: %lld events applied twice (a consumer killed after its business commit, before "
+                  "the completion; counted, not failed on)\n",
+                  res.doubles);
+    if (setup == 'c' || setup == 'h' || setup == 'm')
       res.ok = res.finished && res.lost == 0 && res.unexplained == 0;
     else if (pair_async)  // measured, not failed on: what asynchronous replication loses in a failover
       res.ok = res.finished;
@@ -1210,7 +1351,7 @@ private:
 int driver_main(int argc, char** argv) {
   bool large = std::getenv("IDEM_CHAOS_LARGE") && std::string(std::getenv("IDEM_CHAOS_LARGE")) == "1";
   int events = 0;
-  std::string setups = "abcdefgijk";
+  std::string setups = "abcdefgijklm";
   std::uint64_t seed = std::random_device{}();
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -1219,7 +1360,7 @@ int driver_main(int argc, char** argv) {
     else if (a == "--setups" && i + 1 < argc) setups = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefgijk] [--seed S]\n");
+      std::fprintf(stderr, "usage: idem_chaos [--large] [--events N] [--setups abcdefgijklm] [--seed S]\n");
       return 2;
     }
   }
@@ -1283,7 +1424,7 @@ int driver_main(int argc, char** argv) {
   bool ok = true;
   const auto t0 = Clock::now();
   for (char s : setups) {
-    if (s < 'a' || s > 'k' || g_stop) continue;
+    if (s < 'a' || s > 'm' || g_stop) continue;
     Driver d(redis, pg_state, conninfo, work, log_fd);
     // (e) runs eight processes (consumers, relays, downstream consumers) and two hops; (j) and (k)
     // wait out three failovers (about 2.5 s each, commits waiting meanwhile): half the events.

@@ -15,6 +15,10 @@ for c in $(sed -n 's/^IDEM_COMMAND(\([a-z_]*\)).*/\1/p' "$inc"); do
   grep -q "^    $c) words=" "$out/idem.bash" || { echo "the completion lacks the command $c"; exit 1; }
   grep -q "^\.SS \"idem $c\"" "$out/idem.1" || { echo "the man page lacks the command $c"; exit 1; }
 done
+# Every URL scheme the tool opens is named (the ENVIRONMENT section and --url).
+for scheme in redis:// postgresql:// sqlite:///; do
+  grep -qF -- "$scheme" "$out/idem.1" || { echo "the man page does not name $scheme"; exit 1; }
+done
 # Completing in a shell: the commands after `idem`, a command's options, the values of --state.
 complete_line() { bash -c '. "$1"; shift; COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); _idem; printf "%s\n" "${COMPREPLY[@]}"' _ "$out/idem.bash" "$@"; }
 complete_line idem rel | grep -qx release || { echo "idem rel<TAB> does not offer release"; exit 1; }

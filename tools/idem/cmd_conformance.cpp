@@ -414,8 +414,15 @@ void register_conformance(CLI::App& app, idem::tool::Globals& g) {
       if (l < 50ms) throw CLI::ValidationError("--lease", "at least 50ms");
       const std::string url = idem::tool::store_url(g);
       if (idem::tool::is_postgres_url(url)) return run_postgres(url, g, l, *json);
+      // SqliteStore is linked into the program that uses it, not reached over a network: its
+      // contract suite is tests/sqlite's sqlite_contract_test, not a check of a server's settings.
+      if (idem::tool::is_sqlite_url(url))
+        throw idem::invalid_options_error("idem: conformance checks a server: sqlite:/// files have no server to "
+                                          "check (the contract suite runs on SqliteStore in tests/sqlite); use "
+                                          "idem doctor sqlite:///path for the file's settings");
       if (idem::tool::is_store_url(url)) return run_redis(url, g, l, *json);
-      throw idem::invalid_options_error("idem: unsupported store URL: use redis://, redis-cluster://, redis-sentinel:// or postgresql://");
+      throw idem::invalid_options_error("idem: unsupported store URL: use redis://, redis-cluster://, redis-sentinel:// "
+                                        "or postgresql:// (sqlite:/// has no server to check)");
     });
   });
 }

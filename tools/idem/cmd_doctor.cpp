@@ -12,7 +12,8 @@ void register_doctor(CLI::App& app, idem::tool::Globals& g) {
       app, g, "doctor",
       "Check the store's settings: Redis eviction policy, persistence, replicas, version, ACL permissions, "
       "cluster state; PostgreSQL version, schema version, retention index, fsync/synchronous_commit, privileges, "
-      "bloat. Each finding has a severity and a fix; exit 1 if any is an error.");
+      "bloat; SQLite journal mode, synchronous, file system (nfs/smb refused), schema version, busy timeout, file size. "
+      "Each finding has a severity and a fix; exit 1 if any is an error.");
   sub->add_flag("--json", *json, "one JSON object per finding");
   sub->callback([&g, json] {
     idem::tool::guarded(g, [&] {

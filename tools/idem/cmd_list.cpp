@@ -1,4 +1,4 @@
-// idem list: records streamed page by page (Redis SCAN, PostgreSQL key ranges), stuck ones first.
+// idem list: records streamed page by page (Redis SCAN, PostgreSQL and SQLite key ranges), stuck ones first.
 
 #include <iomanip>
 #include <iostream>

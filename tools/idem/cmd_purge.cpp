@@ -1,4 +1,4 @@
-// idem purge: deletes expired PostgreSQL rows in batches (Redis expires its records itself).
+// idem purge: deletes expired PostgreSQL or SQLite rows in batches (Redis expires its records itself).
 
 #include <iostream>
 
@@ -11,7 +11,7 @@ void register_purge(CLI::App& app, idem::tool::Globals& g) {
   };
   auto o = std::make_shared<Opts>();
   CLI::App* sub = idem::tool::subcommand(app, g, "purge",
-                                         "Delete expired records (PostgreSQL) in batches, each its own short "
+                                         "Delete expired records (PostgreSQL, SQLite) in batches, each its own short "
                                          "transaction; a progress line on a terminal. Redis needs none (TTL).");
   sub->add_option("--batch", o->batch, "rows per transaction")->capture_default_str()->check(CLI::Range(1, 1000000));
   sub->add_flag("--json", o->json, "one JSON object: rows purged (0 on Redis, which expires records itself)");

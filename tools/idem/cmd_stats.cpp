@@ -10,7 +10,7 @@ void register_stats(CLI::App& app, idem::tool::Globals& g) {
   auto json = std::make_shared<bool>(false);
   CLI::App* sub = idem::tool::subcommand(app, g, "stats",
                                          "Counts by state, lapsed in_progress leases (stuck) and the most overdue, "
-                                         "records and bytes. Redis: one SCAN pass; PostgreSQL: one aggregate query.");
+                                         "records and bytes. Redis: one SCAN pass; PostgreSQL and SQLite: one aggregate query.");
   sub->add_flag("--json", *json, "one JSON object");
   sub->callback([&g, json] {
     idem::tool::guarded(g, [&] {

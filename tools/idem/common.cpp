@@ -15,6 +15,9 @@
 #include "idem/core/error.hpp"
 #include "idem/postgres/admin.hpp"
 #include "idem/redis/admin.hpp"
+#ifdef IDEM_TOOL_SQLITE
+#include "idem/sqlite/admin.hpp"
+#endif
 
 namespace idem::tool {
 
@@ -64,16 +67,52 @@ private:
   PostgresAdmin admin_;
 };
 
+#ifdef IDEM_TOOL_SQLITE
+class SqliteBackend final : public Backend {
+public:
+  explicit SqliteBackend(SqliteOptions o) : admin_(std::move(o)) {}
+  std::string where() const override { return fmt::format("sqlite {}", admin_.where()); }
+  bool is_redis() const override { return false; }
+  std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
+  std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
+    return admin_.list(f, each);
+  }
+  ReleaseResult release(std::string_view key, std::uint64_t fence, bool force) override {
+    return admin_.release(key, fence, force);
+  }
+  std::optional<std::size_t> purge(std::size_t batch, const std::function<void(std::size_t, std::size_t)>& p) override {
+    return admin_.purge(batch, p);
+  }
+  AdminStats stats() override { return admin_.stats(); }
+  std::vector<Finding> doctor() override { return admin_.doctor(); }
+
+private:
+  SqliteAdmin admin_;
+};
+#endif
+
 bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
 }  // namespace
 
 bool is_postgres_url(std::string_view s) { return starts_with(s, "postgresql://") || starts_with(s, "postgres://"); }
 
+bool is_sqlite_url(std::string_view s) { return starts_with(s, "sqlite://"); }
+
+std::string sqlite_path(std::string_view url) {
+  std::string_view rest = url.substr(std::string_view("sqlite://").size());
+  // A query or fragment would silently name another file than the operator meant.
+  if (rest.empty() || rest.find_first_of("?#") != std::string_view::npos)
+    throw usage_error(fmt::format("idem: '{}' is not a SQLite store URL: use sqlite:///absolute/path.db (or "
+                                  "sqlite://relative/path.db), without ?options",
+                                  printable(url)));
+  return std::string(rest);
+}
+
 bool is_store_url(std::string_view s) {
   for (std::string_view scheme : {"redis://", "rediss://", "unix://", "redis-cluster://", "redis-sentinel://"})
     if (starts_with(s, scheme)) return true;
-  return is_postgres_url(s);
+  return is_postgres_url(s) || is_sqlite_url(s);
 }
 
 std::string store_url(const Globals& g) {
@@ -84,7 +123,8 @@ std::string store_url(const Globals& g) {
   if (!g.url.empty()) return g.url;
   if (const char* env = std::getenv("IDEM_URL"); env != nullptr && *env != '\0') return env;
   throw invalid_options_error(
-      "idem: no store given: pass its URL (redis://, rediss://, redis-cluster://, redis-sentinel://, postgresql://) "
+      "idem: no store given: pass its URL (redis://, rediss://, redis-cluster://, redis-sentinel://, postgresql://, "
+      "sqlite:///path) "
       "as an argument or with --url, or set IDEM_URL");
 }
 
@@ -104,6 +144,17 @@ std::unique_ptr<Backend> open(const Globals& g) {
     s.table = g.table;
     return std::make_unique<PostgresBackend>(std::move(o), std::move(s));
   }
+  if (is_sqlite_url(url)) {
+#ifdef IDEM_TOOL_SQLITE
+    SqliteOptions o;
+    o.path = sqlite_path(url);
+    o.table = g.table;
+    return std::make_unique<SqliteBackend>(std::move(o));
+#else
+    throw invalid_options_error("idem: this idem tool was built without SQLite (libsqlite3-dev): sqlite:// URLs "
+                                "cannot be opened");
+#endif
+  }
   if (is_store_url(url)) {
     RedisOptions o;
     o.url = url;
@@ -114,8 +165,8 @@ std::unique_ptr<Backend> open(const Globals& g) {
   }
   const auto colon = url.find("://");
   throw invalid_options_error(
-      fmt::format("idem: unsupported store URL '{}...': use redis://, rediss://, redis-cluster://, redis-sentinel:// "
-                  "or postgresql://",
+      fmt::format("idem: unsupported store URL '{}...': use redis://, rediss://, redis-cluster://, redis-sentinel://, "
+                  "postgresql:// or sqlite:///path",
                   colon == std::string::npos ? url : url.substr(0, colon + 3)));
 }
 
@@ -129,10 +180,10 @@ CLI::App* subcommand(CLI::App& app, Globals& g, const std::string& name, const s
   sub->add_option("--url,-u", g.url,
                   "the store (else the URL argument or IDEM_URL): redis://[user:pass@]host:port[/db], rediss://..., "
                   "unix:///path, redis-cluster://host:port[,...], redis-sentinel://host:port[,...]/master, "
-                  "postgresql://user@host/db");
+                  "postgresql://user@host/db, sqlite:///path/to/file.db");
   sub->add_option("--prefix", g.prefix, "Redis key prefix (RedisOptions::key_prefix)")->capture_default_str();
   sub->add_option("--schema", g.schema, "PostgreSQL schema (PostgresStoreOptions::schema)")->capture_default_str();
-  sub->add_option("--table", g.table, "PostgreSQL table (PostgresStoreOptions::table)")->capture_default_str();
+  sub->add_option("--table", g.table, "PostgreSQL or SQLite table (PostgresStoreOptions::table, SqliteOptions::table)")->capture_default_str();
   return sub;
 }
 

@@ -49,9 +49,13 @@ public:
 };
 
 // Whether `s` begins with a store URL scheme the tool opens (redis://, rediss://, unix://,
-// redis-cluster://, redis-sentinel://, postgresql://, postgres://).
+// redis-cluster://, redis-sentinel://, postgresql://, postgres://, sqlite://).
 bool is_store_url(std::string_view s);
 bool is_postgres_url(std::string_view s);
+bool is_sqlite_url(std::string_view s);
+// The file of a sqlite:// URL: sqlite:///var/lib/app/idem.db is /var/lib/app/idem.db,
+// sqlite://idem.db is idem.db in the working directory (usage_error for ?options or no path).
+std::string sqlite_path(std::string_view url);
 
 // The one store of this run, named in one of three ways: the command's URL argument, --url / -u,
 // or IDEM_URL. The argument and --url may both be given only if they are the same URL (else a

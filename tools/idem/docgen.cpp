@@ -95,7 +95,10 @@ std::string man_page(const CLI::App& app) {
       out += ".TP\n" + names + "\n" + roff(o->get_description()) + "\n";
     }
   }
-  out += ".SH ENVIRONMENT\n.TP\n.B IDEM_URL\nThe store when neither a URL argument nor \\-\\-url is given.\n";
+  out += ".SH ENVIRONMENT\n.TP\n.B IDEM_URL\nThe store when neither a URL argument nor \\-\\-url is given: " +
+         roff("redis://, rediss://, unix://, redis-cluster://, redis-sentinel://, postgresql:// or sqlite:///path "
+              "(a SqliteStore file on this host).") +
+         "\n";
   out += ".SH EXIT STATUS\n0 when the command did what it says; 1 when it ran and found a problem (a key not "
          "found, a release refused, a doctor error, a pending migration, a failed conformance case); 2 for bad "
          "usage; 3 when the store could not be reached or refused the command.\n";
