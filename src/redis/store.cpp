@@ -46,6 +46,27 @@ void bad_reply(std::string_view what, std::string_view key) {
                               printable(key)));
 }
 
+// The usual completed records, read where the script answers with the record itself and where a
+// batch reads its keys first (duplicates_first): header 0xA2 (a result), a 1-byte generation, the
+// token and a 32-bit length reaching the last byte; or header 0x82 (an empty result), 10 bytes.
+// Sets `out` to the duplicate answer and returns true, or false for any other value.
+bool usual_completed(const redisReply* r, AcquireResult& out) {
+  if (r->type != REDIS_REPLY_STRING || r->len < 10) return false;
+  const auto* b = reinterpret_cast<const unsigned char*>(r->str);
+  if (b[1] == 0) return false;
+  if (b[0] == 0x82 && r->len == 10) {
+    out.payload.clear();
+  } else if (b[0] == 0xA2 && r->len >= 14 &&
+             (std::uint32_t{b[10]} << 24 | std::uint32_t{b[11]} << 16 | std::uint32_t{b[12]} << 8 | b[13]) == r->len - 14) {
+    out.payload.assign(r->str + 14, r->len - 14);
+  } else {
+    return false;
+  }
+  out.status = AcquireStatus::duplicate;
+  out.attempts = b[1];
+  return true;
+}
+
 AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token) {
   AcquireResult out;
   // 1: a new key acquired (fence 1, no takeover), the scripts' integer for the common answer
@@ -56,16 +77,9 @@ AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint
     out.holder = {1, token};
     return out;
   }
-  // A duplicate of the usual completed record: the record itself (completed_reply in record.lua):
-  // header 0xA2, a 1-byte generation, the token, a 32-bit payload length reaching the last byte.
+  // A duplicate of a usual completed record: the record itself (completed_reply in record.lua).
   if (r->type == REDIS_REPLY_STRING) {
-    const auto* b = reinterpret_cast<const unsigned char*>(r->str);
-    if (r->len < 14 || b[0] != 0xA2 || b[1] == 0 ||
-        (std::uint32_t{b[10]} << 24 | std::uint32_t{b[11]} << 16 | std::uint32_t{b[12]} << 8 | b[13]) != r->len - 14)
-      bad_reply("acquire", key);
-    out.status = AcquireStatus::duplicate;
-    out.attempts = b[1];
-    out.payload.assign(r->str + 14, r->len - 14);
+    if (!usual_completed(r, out)) bad_reply("acquire", key);
     return out;
   }
   if (r->type != REDIS_REPLY_ARRAY || r->elements < 2) bad_reply("acquire", key);
@@ -372,7 +386,7 @@ namespace {
 // an operator's release ends it), so reading it is deciding its acquire: the answer the script
 // would give, at the instant of the read. One MGET per 256 keys answers a batch's duplicates for
 // about a sixth of the script's server time per key; the usual completed record (the one
-// completed_reply in record.lua answers with the record itself) is read here, anything else goes
+// ones completed_reply in record.lua answers with the record itself) are read here, anything else goes
 // through acquire_each. Empty when the batch goes wholly to the script: on a cluster (its keys
 // span slots, and MGET takes one), or once the server refused MGET (an ACL without +mget).
 std::vector<std::optional<AcquireResult>> duplicates_first(Client& c, std::span<const AcquireRequest> requests) {
@@ -399,12 +413,9 @@ std::vector<std::optional<AcquireResult>> duplicates_first(Client& c, std::span<
     }
     if (r->type != REDIS_REPLY_ARRAY || r->elements != n) bad_reply("MGET", requests[from].key);
     for (std::size_t i = 0; i < n; ++i) {
-      const redisReply* e = r->element[i];
-      const auto* b = reinterpret_cast<const unsigned char*>(e->str);
-      if (e->type != REDIS_REPLY_STRING || e->len < 14 || b[0] != 0xA2 || b[1] == 0 ||
-          (std::uint32_t{b[10]} << 24 | std::uint32_t{b[11]} << 16 | std::uint32_t{b[12]} << 8 | b[13]) != e->len - 14)
-        continue;
-      known[from + i] = parse_acquire(e, requests[from + i].key, requests[from + i].params.token);
+      AcquireResult dup;
+      if (!usual_completed(r->element[i], dup)) continue;
+      known[from + i] = std::move(dup);
       any = true;
     }
   }

@@ -29,6 +29,8 @@ Command extend_command(const RedisOptions& o, std::string_view key, const Holder
 Command inspect_command(const RedisOptions& o, std::string_view key);
 
 AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token);
+// A usual completed record (header 0xA2 or 0x82) read as the duplicate answer; false for anything else.
+bool usual_completed(const redisReply* r, AcquireResult& out);
 WriteStatus parse_write(const redisReply* r, std::string_view what, std::string_view key);
 std::optional<Record> parse_inspect(const redisReply* r, std::string_view key);
 

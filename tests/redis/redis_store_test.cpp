@@ -357,7 +357,7 @@ void batch_of_duplicates(RedisStore& store, RedisServer& srv, const std::string&
   CHECK(out[2].payload == "r1");
   CHECK(out[3].status == AcquireStatus::in_flight);
   CHECK(out[4].status == AcquireStatus::duplicate);
-  CHECK(out[4].payload.empty());  // header 0x82: no payload section, so the script decided it
+  CHECK(out[4].payload.empty());  // header 0x82: the record of an empty result, read too
   CHECK(out[5].status == AcquireStatus::duplicate);
   CHECK(calls_of(srv, "mget") == mget_calls);
   CHECK(calls_of(srv, "evalsha") == 1);

@@ -187,6 +187,8 @@ local function completed_reply(s, fp)
     local a, b, c, d = string.byte(s, 11, 14)
     if ((a * 256 + b) * 256 + c) * 256 + d == n - 14 and g > 0 then return s end
   end
+  -- And the one of an empty result (header 130: no payload section), 10 bytes.
+  if h == 130 and n == 10 and g > 0 then return s end
   -- v1 (h >= 128), state 2 (h % 4), not the 8-byte generation (8 and 64 both set)
   if n < 10 or h < 128 or h % 4 ~= 2 or (h % 16 >= 8 and h >= 192) then return nil end
   local gen, q
@@ -229,7 +231,7 @@ end
 -- takeover; the common answer, as an integer because a table reply costs Redis a conversion of its
 -- own) | {1 acquired, fence, takeover 0/1}
 -- | {2 in_flight, attempts, retry_after ms} | {3 duplicate, attempts, result}
--- | the completed record itself, for the usual one (header 0xA2: see completed_reply)
+-- | the completed record itself, for the usual ones (header 0xA2 or 0x82: see completed_reply)
 -- | {4 previously_failed, attempts, error} | {5 mismatch, attempts}
 -- | {6 duplicate without its result, attempts, why}
 -- An in_progress record that already holds this token is this very acquisition asked again (its
