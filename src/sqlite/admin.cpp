@@ -48,20 +48,6 @@ constexpr FsType fs_types[] = {
     {0x4D44UL, "vfat", false},       {0x5346544EUL, "ntfs", false},      {0x01021997UL, "9p", false},
 };
 
-std::string_view code_name(int rc) {
-  switch (rc & 0xff) {
-    case SQLITE_BUSY: return "SQLITE_BUSY";
-    case SQLITE_LOCKED: return "SQLITE_LOCKED";
-    case SQLITE_READONLY: return "SQLITE_READONLY";
-    case SQLITE_FULL: return "SQLITE_FULL";
-    case SQLITE_CORRUPT: return "SQLITE_CORRUPT";
-    case SQLITE_NOTADB: return "SQLITE_NOTADB";
-    case SQLITE_CANTOPEN: return "SQLITE_CANTOPEN";
-    case SQLITE_IOERR: return "SQLITE_IOERR";
-    default: return "SQLITE_ERROR";
-  }
-}
-
 }  // namespace
 
 std::string sqlite_migration_sql(const std::string& table) {
@@ -110,22 +96,22 @@ struct SqliteAdmin::Impl {
 
   [[noreturn]] void fail(int rc, std::string_view what) const {
     const std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
-    const std::string base = fmt::format("idem: sqlite {} on {} failed: {} [{}]", what, path, msg, code_name(rc));
+    const std::string base = fmt::format("idem: sqlite {} on {} failed: {} [{}]", what, path, msg, detail::sqlite_code_name(rc));
     switch (rc & 0xff) {
       case SQLITE_BUSY:
       case SQLITE_LOCKED:
         throw timeout_error(fmt::format("{}; another connection held the write lock for the whole busy timeout ({} ms): "
                                         "nothing was changed, run it again (a long transactional-mode handler holds it)",
                                         base, busy.count()),
-                            std::string(code_name(rc)), true);
+                            std::string(detail::sqlite_code_name(rc)), true);
       case SQLITE_READONLY:
         throw store_error(fmt::format("{}; the file (or its directory, for -wal and -shm) is not writable by this user",
                                       base),
-                          std::string(code_name(rc)), false);
+                          std::string(detail::sqlite_code_name(rc)), false);
       case SQLITE_NOTADB:
       case SQLITE_CORRUPT:
-        throw store_error(fmt::format("{}; not an SQLite database, or damaged", base), std::string(code_name(rc)), false);
-      default: throw store_error(base, std::string(code_name(rc)), false);
+        throw store_error(fmt::format("{}; not an SQLite database, or damaged", base), std::string(detail::sqlite_code_name(rc)), false);
+      default: throw store_error(base, std::string(detail::sqlite_code_name(rc)), false);
     }
   }
 

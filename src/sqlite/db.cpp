@@ -16,7 +16,23 @@ namespace idem::detail {
 
 namespace {
 
-std::string_view code_name(int rc) {
+// SQLite's locks live in the local kernel: on these file systems two hosts (or even two processes)
+// can both believe they hold the write lock, and a store would decide twice.
+bool network_file_system(const std::string& path) {
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+  struct statfs st {};
+  if (statfs(dir.c_str(), &st) != 0) return false;  // a missing directory fails at open, with its own message
+  const auto magic = static_cast<unsigned long>(st.f_type);
+  return magic == 0x6969UL /* NFS */ || magic == 0x517BUL /* SMB */ || magic == 0xFF534D42UL /* CIFS */ ||
+         magic == 0xFE534D42UL /* SMB2 */;
+}
+
+int commit_hook(void* p) { return static_cast<SqliteConn*>(p)->in_handler ? 1 : 0; }
+
+}  // namespace
+
+std::string_view sqlite_code_name(int rc) {
   switch (rc & 0xff) {
     case SQLITE_BUSY: return "SQLITE_BUSY";
     case SQLITE_LOCKED: return "SQLITE_LOCKED";
@@ -37,22 +53,6 @@ std::string_view code_name(int rc) {
     default: return "SQLITE_ERROR";
   }
 }
-
-// SQLite's locks live in the local kernel: on these file systems two hosts (or even two processes)
-// can both believe they hold the write lock, and a store would decide twice.
-bool network_file_system(const std::string& path) {
-  const auto slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
-  struct statfs st {};
-  if (statfs(dir.c_str(), &st) != 0) return false;  // a missing directory fails at open, with its own message
-  const auto magic = static_cast<unsigned long>(st.f_type);
-  return magic == 0x6969UL /* NFS */ || magic == 0x517BUL /* SMB */ || magic == 0xFF534D42UL /* CIFS */ ||
-         magic == 0xFE534D42UL /* SMB2 */;
-}
-
-int commit_hook(void* p) { return static_cast<SqliteConn*>(p)->in_handler ? 1 : 0; }
-
-}  // namespace
 
 std::string sqlite_quote(std::string_view name) { return fmt::format("\"{}\"", name); }
 
@@ -222,7 +222,7 @@ void SqliteDb::raise(sqlite3* c, int rc, std::string_view what, int sys) const {
   const std::string msg = c ? sqlite3_errmsg(c) : sqlite3_errstr(rc);
   // SQLite keeps the OS error of some failures only; errno right after the call has the others.
   if (c && sqlite3_system_errno(c) != 0) sys = sqlite3_system_errno(c);
-  const std::string code(code_name(rc));
+  const std::string code(sqlite_code_name(rc));
   const std::string base = fmt::format("idem: sqlite {} on {} failed: {} [{}, extended code {}{}]", what, path_, msg,
                                        code, rc, sys != 0 ? fmt::format(", errno {}", sys) : std::string());
   // A write the OS refused for space (ENOSPC, a quota, the file-size limit) is a full disk, however
@@ -302,7 +302,7 @@ void SqliteDb::commit(SqliteConn& c, CommitKind kind, std::string_view what) con
                     what, path_, msg, rc,
                     kind == CommitKind::decision ? "no handler ran, the key frees itself after the lease"
                                                  : "inspect the key before acting on it again"),
-        std::string(code_name(rc)), kind == CommitKind::decision);
+        std::string(sqlite_code_name(rc)), kind == CommitKind::decision);
   // The message was read before ROLLBACK replaced it on the connection.
   raise(nullptr, rc, fmt::format("{} (COMMIT: {})", what, msg), sys);
 }

@@ -24,6 +24,9 @@
 
 namespace idem::detail {
 
+/// SQLite's name of a result code's primary part ("SQLITE_BUSY"), the code of idem's errors.
+std::string_view sqlite_code_name(int rc);
+
 /// One open sqlite3 connection with its prepared statements.
 struct SqliteConn {
   sqlite3* db = nullptr;
