@@ -14,6 +14,7 @@
 
 #include "admin/idem_redis_scripts.hpp"
 #include "client.hpp"
+#include "cluster.hpp"
 #include "command.hpp"
 #include "tls.hpp"
 #include "idem/core/error.hpp"
@@ -217,25 +218,20 @@ struct RedisAdmin::Impl {
       try {
         connect(s);
         auto r = checked(s, {"CLUSTER", "SLOTS"});
+        // The store's reading of the reply (cluster.cpp): its checks and its rule for a node that
+        // announces no host.
         std::map<std::string, std::size_t> index;
-        for (std::size_t i = 0; i < r->elements; ++i) {
-          const redisReply* e = r->element[i];
-          if (e->type != REDIS_REPLY_ARRAY || e->elements < 3) continue;
-          const redisReply* m = e->element[2];
-          std::string host = reply_text(m->element[0]);
-          if (host.empty()) host = s.host;
-          const int port = static_cast<int>(reply_int(m->element[1]));
-          const std::string key = host + ":" + std::to_string(port);
+        for (detail::redis::SlotRange& range : detail::redis::parse_slots(r.get(), s.host)) {
+          const std::string key = range.master.host + ":" + std::to_string(range.master.port);
           auto [it, fresh] = index.try_emplace(key, nodes.size());
           if (fresh) {
             Node n;
-            n.host = host;
-            n.port = port;
+            n.host = std::move(range.master.host);
+            n.port = range.master.port;
             connect(n);
             nodes.push_back(std::move(n));
           }
-          ranges.push_back({static_cast<int>(reply_int(e->element[0])), static_cast<int>(reply_int(e->element[1])),
-                            it->second});
+          ranges.push_back({range.first, range.last, it->second});
         }
         if (nodes.empty())
           throw store_error(fmt::format("idem: the cluster at {} has no slots assigned", seed), "", false);
