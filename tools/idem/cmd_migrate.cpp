@@ -3,6 +3,8 @@
 // (--status). All three go through idem::postgres / idem::sqlite, so the tool has no SQL of its own.
 
 #include <iostream>
+#include <string>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -22,6 +24,47 @@ std::string given_url(const idem::tool::Globals& g) {
   } catch (const idem::invalid_options_error&) {
     return {};
   }
+}
+
+// --apply's report: the table moved from `before` to `expected` (or already there).
+int report_applied(const std::string& table, int before, int expected, bool json, std::string_view checked = {}) {
+  if (json) {
+    idem::tool::Json j = idem::tool::Json::object();
+    j["migrated"] = true;
+    j["table"] = table;
+    j["from_version"] = before;
+    j["version"] = expected;
+    idem::tool::print_json(j);
+  } else if (before == expected) {
+    std::cout << table << " already at schema version " << expected << checked << "\n";
+  } else {
+    std::cout << "migrated " << table << " from schema version " << before << " to " << expected << "\n";
+  }
+  return idem::tool::exit_ok;
+}
+
+// --status: the installed version against this idem's; refused (exit 1) unless they agree. `how`:
+// what installs or upgrades it.
+int report_status(const std::string& table, int have, int expected, bool json, std::string_view how) {
+  if (json) {
+    idem::tool::Json j = idem::tool::Json::object();
+    j["table"] = table;
+    j["version"] = have;
+    j["expected"] = expected;
+    j["pending"] = have < expected;
+    idem::tool::print_json(j);
+  } else if (have == 0) {
+    std::cout << table << ": not installed; this idem's schema version is " << expected << " (" << how << ")\n";
+  } else if (have < expected) {
+    std::cout << table << ": schema version " << have << ", this idem's is " << expected << ": upgrade pending ("
+              << how << ")\n";
+  } else if (have > expected) {
+    std::cout << table << ": schema version " << have << ", newer than this idem's " << expected
+              << ": stores of this version refuse it; upgrade idem\n";
+  } else {
+    std::cout << table << ": schema version " << have << " (current)\n";
+  }
+  return have == expected ? idem::tool::exit_ok : idem::tool::exit_refused;
 }
 
 #ifdef IDEM_TOOL_SQLITE
@@ -44,40 +87,10 @@ int migrate_sqlite(const std::string& url, const idem::tool::Globals& g, bool pr
     }
     idem::SqliteStore store({.path = path, .table = g.table, .auto_migrate = false});
     store.migrate();
-    if (json) {
-      idem::tool::Json j = idem::tool::Json::object();
-      j["migrated"] = true;
-      j["table"] = table;
-      j["from_version"] = before;
-      j["version"] = expected;
-      idem::tool::print_json(j);
-    } else if (before == expected) {
-      std::cout << table << " already at schema version " << expected << "\n";
-    } else {
-      std::cout << "migrated " << table << " from schema version " << before << " to " << expected << "\n";
-    }
-    return idem::tool::exit_ok;
+    return report_applied(table, before, expected, json);
   }
   const int have = idem::SqliteAdmin({.path = path, .table = g.table}).schema_version();
-  if (json) {
-    idem::tool::Json j = idem::tool::Json::object();
-    j["table"] = table;
-    j["version"] = have;
-    j["expected"] = expected;
-    j["pending"] = have < expected;
-    idem::tool::print_json(j);
-  } else if (have == 0) {
-    std::cout << table << ": not installed; this idem's schema version is " << expected << " (idem migrate --apply)\n";
-  } else if (have < expected) {
-    std::cout << table << ": schema version " << have << ", this idem's is " << expected
-              << ": upgrade pending (idem migrate --apply)\n";
-  } else if (have > expected) {
-    std::cout << table << ": schema version " << have << ", newer than this idem's " << expected
-              << ": stores of this version refuse it; upgrade idem\n";
-  } else {
-    std::cout << table << ": schema version " << have << " (current)\n";
-  }
-  return have == expected ? idem::tool::exit_ok : idem::tool::exit_refused;
+  return report_status(table, have, expected, json, "idem migrate --apply");
 }
 #endif
 
@@ -133,43 +146,10 @@ void register_migrate(CLI::App& app, idem::tool::Globals& g) {
         const int before = idem::postgres_schema_version(po, s);
         idem::PostgresStore store(po, s);
         store.migrate();
-        if (o->json) {
-          idem::tool::Json j = idem::tool::Json::object();
-          j["migrated"] = true;
-          j["table"] = table;
-          j["from_version"] = before;
-          j["version"] = expected;
-          idem::tool::print_json(j);
-        } else if (before == expected) {
-          std::cout << table << " already at schema version " << expected << (o->outbox ? " (outbox checked)" : "")
-                    << "\n";
-        } else {
-          std::cout << "migrated " << table << " from schema version " << before << " to " << expected << "\n";
-        }
-        return idem::tool::exit_ok;
+        return report_applied(table, before, expected, o->json, o->outbox ? " (outbox checked)" : "");
       }
       const int have = idem::postgres_schema_version(po, s);
-      const bool pending = have < expected;
-      if (o->json) {
-        idem::tool::Json j = idem::tool::Json::object();
-        j["table"] = table;
-        j["version"] = have;
-        j["expected"] = expected;
-        j["pending"] = pending;
-        idem::tool::print_json(j);
-      } else if (have == 0) {
-        std::cout << table << ": not installed; this idem's schema version is " << expected
-                  << " (idem migrate --apply, or --print-sql for a DBA)\n";
-      } else if (pending) {
-        std::cout << table << ": schema version " << have << ", this idem's is " << expected
-                  << ": upgrade pending (idem migrate --apply, or --print-sql for a DBA)\n";
-      } else if (have > expected) {
-        std::cout << table << ": schema version " << have << ", newer than this idem's " << expected
-                  << ": stores of this version refuse it; upgrade idem\n";
-      } else {
-        std::cout << table << ": schema version " << have << " (current)\n";
-      }
-      return have == expected ? idem::tool::exit_ok : idem::tool::exit_refused;
+      return report_status(table, have, expected, o->json, "idem migrate --apply, or --print-sql for a DBA");
     });
   });
 }

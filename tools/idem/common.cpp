@@ -8,6 +8,8 @@
 #include <iostream>
 #include <iterator>
 #include <sstream>
+#include <type_traits>
+#include <utility>
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -23,33 +25,19 @@ namespace idem::tool {
 
 namespace {
 
-class RedisBackend final : public Backend {
+// The tool's commands over one store's admin: each member is the admin's own. Redis has no purge
+// (its records expire by themselves).
+template <class Admin>
+class AdminBackend final : public Backend {
 public:
-  explicit RedisBackend(RedisOptions o) : admin_(std::move(o)) {}
-  std::string where() const override { return fmt::format("redis {}", admin_.address()); }
-  bool is_redis() const override { return true; }
-  std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
-  std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
-    return admin_.list(f, each);
+  template <class... Args>
+  explicit AdminBackend(Args&&... args) : admin_(std::forward<Args>(args)...) {}
+  std::string where() const override {
+    if constexpr (std::is_same_v<Admin, RedisAdmin>) return fmt::format("redis {}", admin_.address());
+    else if constexpr (std::is_same_v<Admin, PostgresAdmin>) return fmt::format("postgresql {}", admin_.table());
+    else return fmt::format("sqlite {}", admin_.where());
   }
-  ReleaseResult release(std::string_view key, std::uint64_t fence, bool force) override {
-    return admin_.release(key, fence, force);
-  }
-  std::optional<std::size_t> purge(std::size_t, const std::function<void(std::size_t, std::size_t)>&) override {
-    return std::nullopt;
-  }
-  AdminStats stats() override { return admin_.stats(); }
-  std::vector<Finding> doctor() override { return admin_.doctor(); }
-
-private:
-  RedisAdmin admin_;
-};
-
-class PostgresBackend final : public Backend {
-public:
-  PostgresBackend(PostgresOptions o, PostgresStoreOptions s) : admin_(std::move(o), std::move(s)) {}
-  std::string where() const override { return fmt::format("postgresql {}", admin_.table()); }
-  bool is_redis() const override { return false; }
+  bool is_redis() const override { return std::is_same_v<Admin, RedisAdmin>; }
   std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
   std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
     return admin_.list(f, each);
@@ -58,38 +46,15 @@ public:
     return admin_.release(key, fence, force);
   }
   std::optional<std::size_t> purge(std::size_t batch, const std::function<void(std::size_t, std::size_t)>& p) override {
-    return admin_.purge(batch, p);
+    if constexpr (std::is_same_v<Admin, RedisAdmin>) return std::nullopt;
+    else return admin_.purge(batch, p);
   }
   AdminStats stats() override { return admin_.stats(); }
   std::vector<Finding> doctor() override { return admin_.doctor(); }
 
 private:
-  PostgresAdmin admin_;
+  Admin admin_;
 };
-
-#ifdef IDEM_TOOL_SQLITE
-class SqliteBackend final : public Backend {
-public:
-  explicit SqliteBackend(SqliteOptions o) : admin_(std::move(o)) {}
-  std::string where() const override { return fmt::format("sqlite {}", admin_.where()); }
-  bool is_redis() const override { return false; }
-  std::optional<AdminRecord> inspect(std::string_view key) override { return admin_.inspect(key); }
-  std::size_t list(const ListFilter& f, const std::function<bool(const AdminRecord&)>& each) override {
-    return admin_.list(f, each);
-  }
-  ReleaseResult release(std::string_view key, std::uint64_t fence, bool force) override {
-    return admin_.release(key, fence, force);
-  }
-  std::optional<std::size_t> purge(std::size_t batch, const std::function<void(std::size_t, std::size_t)>& p) override {
-    return admin_.purge(batch, p);
-  }
-  AdminStats stats() override { return admin_.stats(); }
-  std::vector<Finding> doctor() override { return admin_.doctor(); }
-
-private:
-  SqliteAdmin admin_;
-};
-#endif
 
 bool starts_with(std::string_view s, std::string_view p) { return s.substr(0, p.size()) == p; }
 
@@ -142,14 +107,14 @@ std::unique_ptr<Backend> open(const Globals& g) {
     PostgresStoreOptions s;
     s.schema = g.schema;
     s.table = g.table;
-    return std::make_unique<PostgresBackend>(std::move(o), std::move(s));
+    return std::make_unique<AdminBackend<PostgresAdmin>>(std::move(o), std::move(s));
   }
   if (is_sqlite_url(url)) {
 #ifdef IDEM_TOOL_SQLITE
     SqliteOptions o;
     o.path = sqlite_path(url);
     o.table = g.table;
-    return std::make_unique<SqliteBackend>(std::move(o));
+    return std::make_unique<AdminBackend<SqliteAdmin>>(std::move(o));
 #else
     throw invalid_options_error("idem: this idem tool was built without SQLite (libsqlite3-dev): sqlite:// URLs "
                                 "cannot be opened");
@@ -161,7 +126,7 @@ std::unique_ptr<Backend> open(const Globals& g) {
     o.key_prefix = g.prefix;
     o.connect_timeout = millis{3000};
     o.command_timeout = millis{30000};
-    return std::make_unique<RedisBackend>(std::move(o));
+    return std::make_unique<AdminBackend<RedisAdmin>>(std::move(o));
   }
   const auto colon = url.find("://");
   throw invalid_options_error(
