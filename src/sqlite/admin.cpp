@@ -94,26 +94,8 @@ struct SqliteAdmin::Impl {
   Impl(const Impl&) = delete;
   Impl& operator=(const Impl&) = delete;
 
-  [[noreturn]] void fail(int rc, std::string_view what) const {
-    const std::string msg = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
-    const std::string base = fmt::format("idem: sqlite {} on {} failed: {} [{}]", what, path, msg, detail::sqlite_code_name(rc));
-    switch (rc & 0xff) {
-      case SQLITE_BUSY:
-      case SQLITE_LOCKED:
-        throw timeout_error(fmt::format("{}; another connection held the write lock for the whole busy timeout ({} ms): "
-                                        "nothing was changed, run it again (a long transactional-mode handler holds it)",
-                                        base, busy.count()),
-                            std::string(detail::sqlite_code_name(rc)), true);
-      case SQLITE_READONLY:
-        throw store_error(fmt::format("{}; the file (or its directory, for -wal and -shm) is not writable by this user",
-                                      base),
-                          std::string(detail::sqlite_code_name(rc)), false);
-      case SQLITE_NOTADB:
-      case SQLITE_CORRUPT:
-        throw store_error(fmt::format("{}; not an SQLite database, or damaged", base), std::string(detail::sqlite_code_name(rc)), false);
-      default: throw store_error(base, std::string(detail::sqlite_code_name(rc)), false);
-    }
-  }
+  // The store's classification (db.cpp): the same types, codes and retry advice as its own calls.
+  [[noreturn]] void fail(int rc, std::string_view what) const { detail::raise_sqlite(db, rc, what, path, busy); }
 
   void exec(const char* sql, std::string_view what) {
     const int rc = sqlite3_exec(db, sql, nullptr, nullptr, nullptr);

@@ -219,11 +219,15 @@ std::int64_t SqliteDb::now_ms() const {
 }
 
 void SqliteDb::raise(sqlite3* c, int rc, std::string_view what, int sys) const {
+  raise_sqlite(c, rc, what, path_, busy_, sys);
+}
+
+void raise_sqlite(sqlite3* c, int rc, std::string_view what, const std::string& path, millis busy, int sys) {
   const std::string msg = c ? sqlite3_errmsg(c) : sqlite3_errstr(rc);
   // SQLite keeps the OS error of some failures only; errno right after the call has the others.
   if (c && sqlite3_system_errno(c) != 0) sys = sqlite3_system_errno(c);
   const std::string code(sqlite_code_name(rc));
-  const std::string base = fmt::format("idem: sqlite {} on {} failed: {} [{}, extended code {}{}]", what, path_, msg,
+  const std::string base = fmt::format("idem: sqlite {} on {} failed: {} [{}, extended code {}{}]", what, path, msg,
                                        code, rc, sys != 0 ? fmt::format(", errno {}", sys) : std::string());
   // A write the OS refused for space (ENOSPC, a quota, the file-size limit) is a full disk, however
   // SQLite reports it (SQLITE_FULL for a short write, SQLITE_IOERR_WRITE when a retry of the rest fails).
@@ -237,10 +241,10 @@ void SqliteDb::raise(sqlite3* c, int rc, std::string_view what, int sys) const {
   switch (rc & 0xff) {
     case SQLITE_BUSY:
     case SQLITE_LOCKED:
-      throw timeout_error(fmt::format("{}; another connection held the file's write lock for the whole busy_timeout "
+      throw timeout_error(fmt::format("{}; another connection held the file's write lock for the whole busytimeout "
                                       "({} ms): nothing was decided, retry (a long transactional-mode handler, a "
                                       "backup or a manual sqlite3 session can hold it)",
-                                      base, busy_.count()),
+                                      base, busy.count()),
                           code, true);
     case SQLITE_READONLY:
       throw store_error(fmt::format("{}; the database is read-only for this process: make the file, the -wal and "

@@ -26,6 +26,11 @@ namespace idem::detail {
 
 /// SQLite's name of a result code's primary part ("SQLITE_BUSY"), the code of idem's errors.
 std::string_view sqlite_code_name(int rc);
+/// Throws the idem error for SQLite code `rc` met by `what` on the file `path` (`c` may be null;
+/// then `sys` is the OS errno SQLite saw): every connection of the store and of SqliteAdmin
+/// classifies a failure here, once.
+[[noreturn]] void raise_sqlite(sqlite3* c, int rc, std::string_view what, const std::string& path, millis busy,
+                               int sys = 0);
 
 /// One open sqlite3 connection with its prepared statements.
 struct SqliteConn {
