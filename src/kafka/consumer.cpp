@@ -105,8 +105,7 @@ struct Consumer::Impl {
         start_retries();
         resume_due();
         if (rd_kafka_message_t* m = rd_kafka_consumer_poll(rk, static_cast<int>(opts.poll_timeout.count()))) accept(m);
-        if (settled_since_commit.load() >= opts.commit_every || Clock::now() - last_commit >= opts.commit_interval)
-          commit(/*async=*/true);
+        if (pacer.due(settled_since_commit.load(), Clock::now())) commit(/*async=*/true);
       }
     } catch (...) {
       stop_workers(threads);
@@ -263,7 +262,7 @@ struct Consumer::Impl {
 
   void commit(bool async) {
     settled_since_commit.store(0);
-    last_commit = Clock::now();
+    pacer.sent(Clock::now());
     if (store_committables(rk, tracker) == 0) return;
     // Commits what was stored; NO_OFFSET: nothing new since the last commit.
     const auto e = rd_kafka_commit(rk, nullptr, async ? 1 : 0);
@@ -276,14 +275,18 @@ struct Consumer::Impl {
     // Not fatal: the offsets stay stored for the next commit; at worst the partition's next owner
     // redelivers settled messages, which the guard answers as duplicates.
     counters.commit_failures.fetch_add(1);
+    pacer.answered(e, Clock::now());
     log("kafka: commit refused: {}", rd_kafka_err2str(e));
   }
 
   // librdkafka's callbacks are C frames: nothing may be thrown through them.
   static void commit_cb(rd_kafka_t*, rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t*, void* opaque) noexcept {
     try {
-      if (err != RD_KAFKA_RESP_ERR_NO_ERROR && err != RD_KAFKA_RESP_ERR__NO_OFFSET)
-        static_cast<Impl*>(opaque)->commit_failed(err);
+      auto* self = static_cast<Impl*>(opaque);
+      if (err == RD_KAFKA_RESP_ERR_NO_ERROR)
+        self->pacer.answered(err, Clock::now());
+      else if (err != RD_KAFKA_RESP_ERR__NO_OFFSET)
+        self->commit_failed(err);
     } catch (...) {
     }
   }
@@ -305,6 +308,7 @@ struct Consumer::Impl {
   // Runs inside rd_kafka_consumer_poll (or close), on the poll thread, while workers run batches.
   void on_rebalance(rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t* parts) {
     counters.rebalances.fetch_add(1);
+    pacer.rebalanced();
     RebalanceResult r;
     try {
       r = handle_rebalance(rk, err, parts, tracker);
@@ -499,7 +503,7 @@ struct Consumer::Impl {
   std::atomic<bool> stopping{false};
   std::atomic<bool> ran{false};
   std::atomic<std::size_t> settled_since_commit{0};
-  Clock::time_point last_commit = Clock::now();  // poll thread
+  CommitPacer pacer{opts.commit_interval, opts.commit_every};  // poll thread
   std::map<TopicPartition, Fetch> fetch;         // poll thread
 
   std::mutex mu;  // guards what follows

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -139,6 +140,24 @@ RebalanceResult handle_rebalance(rd_kafka_t* rk, rd_kafka_resp_err_t err, rd_kaf
   else
     rd_kafka_assign(rk, nullptr);
   return r;
+}
+
+void CommitPacer::answered(rd_kafka_resp_err_t e, Clock::time_point now) {
+  if (e == RD_KAFKA_RESP_ERR_NO_ERROR) {
+    refused_ = 0;
+    return;
+  }
+  // The group is rebalancing. librdkafka 2.0.2 answers a commit refused for the generation by
+  // dropping the assignment and joining again, which starts one more rebalance: a loop committing
+  // on every interval kept a cooperative group rebalancing for a minute (a commit during a
+  // rebalance; librdkafka's own auto-commit waits for the steady state). Hold periodic commits
+  // until the rebalance callback (which commits revoked partitions itself), or 2 s per refusal in
+  // a row, at most 10 s.
+  if (e == RD_KAFKA_RESP_ERR_ILLEGAL_GENERATION || e == RD_KAFKA_RESP_ERR_REBALANCE_IN_PROGRESS ||
+      e == RD_KAFKA_RESP_ERR_UNKNOWN_MEMBER_ID) {
+    refused_ = std::min(refused_ + 1, 5);
+    hold_until_ = now + refused_ * std::chrono::seconds(2);
+  }
 }
 
 std::size_t store_committables(rd_kafka_t* rk, const OffsetTracker& tracker) {

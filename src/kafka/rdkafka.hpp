@@ -6,6 +6,7 @@
 
 #include <librdkafka/rdkafka.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -80,6 +81,32 @@ std::size_t append_headers(rd_kafka_message_t* m, std::vector<Header>& out);
 
 /// The message's timestamp and its type; nullopt when the broker gave none.
 std::optional<Timestamp> timestamp_of(const rd_kafka_message_t* m);
+
+/// When a consumer loop commits what it stored: after `every` settled messages or `interval`, and
+/// not while its group rebalances after a commit was refused for the generation. Poll thread only.
+class CommitPacer {
+ public:
+  using Clock = std::chrono::steady_clock;  ///< The pacer's clock.
+  /// Commits every `interval` or every `every` settled messages, whichever comes first.
+  CommitPacer(std::chrono::milliseconds interval, std::size_t every) : interval_(interval), every_(every) {}
+  /// A periodic commit is due now, `settled` messages after the last one.
+  bool due(std::size_t settled, Clock::time_point now) const {
+    return now >= hold_until_ && (settled >= every_ || now - last_ >= interval_);
+  }
+  /// A commit is being sent (or found nothing to send) now.
+  void sent(Clock::time_point now) { last_ = now; }
+  /// A commit's answer, from rd_kafka_commit or the commit callback.
+  void answered(rd_kafka_resp_err_t e, Clock::time_point now);
+  /// A rebalance callback came: the rebalance a refused commit waits for has reached this member.
+  void rebalanced() { hold_until_ = {}; }
+
+ private:
+  std::chrono::milliseconds interval_;
+  std::size_t every_;
+  Clock::time_point last_ = Clock::now();
+  Clock::time_point hold_until_{};
+  int refused_ = 0;  // commits refused for the generation in a row
+};
 
 /// A producer that writes dead letters and waits for the broker's ack; thread-safe.
 class DeadLetterProducer {

@@ -368,13 +368,12 @@ struct Source::Impl {
   // ---- commits ------------------------------------------------------------------------------
 
   void commit_if_due() {
-    if (settled_since_commit >= opts.commit_every || Clock::now() - last_commit >= opts.commit_interval)
-      commit(/*async=*/true);
+    if (pacer.due(settled_since_commit, Clock::now())) commit(/*async=*/true);
   }
 
   void commit(bool async) {
     settled_since_commit = 0;
-    last_commit = Clock::now();
+    pacer.sent(Clock::now());
     const auto offsets = tracker.committables();
     if (offsets.empty() || offsets == last_committed) return;
     if (store_committables(rk, tracker) == 0) return;
@@ -393,6 +392,7 @@ struct Source::Impl {
     // redelivers settled messages, which the guard answers as duplicates.
     counters.commit_failures.fetch_add(1);
     last_committed.clear();
+    pacer.answered(e, Clock::now());
     log("kafka: commit refused: {}", rd_kafka_err2str(e));
   }
 
@@ -400,8 +400,11 @@ struct Source::Impl {
 
   static void commit_cb(rd_kafka_t*, rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t*, void* opaque) noexcept {
     try {
-      if (err != RD_KAFKA_RESP_ERR_NO_ERROR && err != RD_KAFKA_RESP_ERR__NO_OFFSET)
-        static_cast<Impl*>(opaque)->commit_failed(err);
+      auto* self = static_cast<Impl*>(opaque);
+      if (err == RD_KAFKA_RESP_ERR_NO_ERROR)
+        self->pacer.answered(err, Clock::now());
+      else if (err != RD_KAFKA_RESP_ERR__NO_OFFSET)
+        self->commit_failed(err);
     } catch (...) {
     }
   }
@@ -420,6 +423,7 @@ struct Source::Impl {
   // Inside rd_kafka_consumer_poll (poll()) or rd_kafka_consumer_close (the destructor).
   void on_rebalance(rd_kafka_resp_err_t err, rd_kafka_topic_partition_list_t* parts) {
     counters.rebalances.fetch_add(1);
+    pacer.rebalanced();
     RebalanceResult r;
     try {
       r = handle_rebalance(rk, err, parts, tracker);
@@ -471,7 +475,7 @@ struct Source::Impl {
   std::uint64_t reported_rebalances = 0;
 
   std::size_t settled_since_commit = 0;
-  Clock::time_point last_commit = Clock::now();
+  CommitPacer pacer{opts.commit_interval, opts.commit_every};
   std::vector<PartitionOffset> last_committed;
   std::unique_ptr<DeadLetterProducer> dlq;
 };

@@ -36,6 +36,14 @@ using Guard = idem::IdempotencyGuard<idem::MemoryStore>;
 
 namespace {
 
+// A sanitized build beside the other suites (scripts/check) is several times slower: the group's
+// rebalances (heartbeats, joins) get more time there, never a weaker check.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr int slow = 2;
+#else
+constexpr int slow = 1;
+#endif
+
 bool eventually(const std::function<bool()>& ready, std::chrono::milliseconds limit) {
   const auto until = Clock::now() + limit;
   while (!ready()) {
@@ -204,13 +212,13 @@ void rebalance_mid_batch(const std::string& group, const std::string& strategy) 
         return a.failed.load() || b.failed.load() ||
                (ledger.total() == ev.effects() && committed_at_end(cluster, ev, group));
       },
-      40s);
+      40s * slow);
   // One membership change at a time, each on a settled group: librdkafka 2.0.2 can hang or abort
   // when a consumer closes while its group rebalances.
   const bool both =
-      eventually([&] { return a.partitions.load() > 0 && b.partitions.load() > 0 && a.quiet() && b.quiet(); }, 20s);
+      eventually([&] { return a.partitions.load() > 0 && b.partitions.load() > 0 && a.quiet() && b.quiet(); }, 20s * slow);
   b.stop();
-  const bool took_over = eventually([&] { return a.partitions.load() == ev.partitions && a.quiet(); }, 20s);
+  const bool took_over = eventually([&] { return a.partitions.load() == ev.partitions && a.quiet(); }, 20s * slow);
   a.stop();
   const auto sa = a.consumer->stats(), sb = b.consumer->stats();
   INFO(a.report() << b.report());
