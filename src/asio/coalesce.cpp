@@ -102,9 +102,8 @@ struct Group final : Op {
   std::vector<std::unique_ptr<Op>> dissolve() override {
     for (auto& m : members) {
       m->solo = true;
-      m->resent = resent;
-      m->first = first;
-      m->redirects = redirects;
+      m->attempt = attempt;  // the call's resend and redirections; each reloads for itself
+      m->attempt.reloaded = false;
     }
     return std::move(members);
   }
@@ -123,9 +122,8 @@ struct Group final : Op {
       ReplyPtr one(reply->element[i]);
       reply->element[i] = nullptr;  // now owned by `one` (freeReplyObject skips null elements)
       Op& m = *members[i];
-      if (resent && is_error(one.get())) {
-        const std::string text(reply_text(one.get()));
-        m.finish(capture([&] { throw_outcome_unknown(first, m.describe(), text, std::string(error_code(text))); }), nullptr);
+      if (attempt.resent && is_error(one.get())) {  // in doubt as the member's own call would be
+        m.finish(on_resent_reply(attempt, one.get(), m.describe()).error, nullptr);
         continue;
       }
       if (wait && !is_error(one.get()) && wrote(m.script, one.get()))

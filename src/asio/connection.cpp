@@ -213,12 +213,8 @@ private:
     }
     auto queued = std::move(queued_);
     queued_.clear();
-    for (auto& op : queued) {
-      if (op->resent)
-        op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), text, ""); }), nullptr);
-      else if (!op->internal)
-        op->finish(e, nullptr);
-    }
+    for (auto& op : queued)
+      if (!op->internal) op->finish(on_unsent(op->attempt, e, text, op->describe()).error, nullptr);
   }
 
   // --- writing and reading ------------------------------------------------------------------
@@ -256,7 +252,7 @@ private:
       std::unique_ptr<Op> op = std::move(queued_.front());
       queued_.pop_front();
       // A resent step stays alone: its in-doubt handling is its own; so does one sent after ASKING.
-      if (op->step == 0 || op->resent || op->asking || op->solo || opt_.auto_batch <= 1) {
+      if (op->step == 0 || op->attempt.resent || op->asking || op->solo || opt_.auto_batch <= 1) {
         put(std::move(op));
         continue;
       }
@@ -388,7 +384,7 @@ private:
         ReplyPtr wait = std::move(reply);
         reply = std::move(op->script_reply);
         // A coalesced call keeps the WAIT's reply and checks it per member (keeps_wait).
-        if (!op->keeps_wait(wait) && !is_noscript(reply.get()) && !(op->resent && is_error(reply.get())))
+        if (!op->keeps_wait(wait) && !is_noscript(reply.get()) && !(op->attempt.resent && is_error(reply.get())))
           if (auto e = check_acks(*op, reply.get(), wait.get())) {
             op->finish(e, nullptr);
             continue;
@@ -401,40 +397,39 @@ private:
 
   void deliver(std::unique_ptr<Op> op, ReplyPtr reply) {
     if (op->internal) return;  // a reload: the request sent after it answers for both
-    if (op->slot >= 0 && is_rerouted(reply.get())) {
-      // Cluster: MOVED, ASK or TRYAGAIN ran nothing here; the router sends it where it belongs.
-      if (auto r = routing_.lock()) {
+    if (!is_error(reply.get())) return op->finish(nullptr, std::move(reply));
+    auto routing = op->slot >= 0 ? routing_.lock() : nullptr;
+    const Route route{.cluster = routing != nullptr, .sentinel = !opt_.sentinels.empty(), .max_redirects = opt_.max_redirects};
+    Decision d = on_reply(op->attempt, reply.get(), route, op->describe(), op->slot);
+    switch (d.next) {
+      case Next::moved:
+      case Next::ask:
+      case Next::later:
+        // Cluster: it ran nothing here; the router sends it where it belongs.
         op->script_reply.reset();
-        return r->reroute(std::move(op), std::move(reply));
+        return routing->reroute(std::move(op), d);
+      case Next::reload: {
+        // SCRIPT LOAD goes first in the next write and the call right after it.
+        ++reloads_;
+        auto load = std::make_unique<Internal>();
+        load->internal = true;
+        load->label = fmt::format("SCRIPT LOAD of {}", script(op->script).name);
+        load->bytes.assign(Command().arg("SCRIPT").arg("LOAD").arg(script(op->script).source).format().view());
+        queued_.push_front(std::move(op));
+        queued_.push_front(std::move(load));
+        return;
       }
-    }
-    if (is_noscript(reply.get()) && !op->reloaded) {
-      // SCRIPT FLUSH or a restart under us: the call ran nothing. SCRIPT LOAD goes first in the
-      // next write and the call right after it; a second NOSCRIPT is an error.
-      ++reloads_;
-      auto load = std::make_unique<Internal>();
-      load->internal = true;
-      load->label = fmt::format("SCRIPT LOAD of {}", script(op->script).name);
-      load->bytes.assign(Command().arg("SCRIPT").arg("LOAD").arg(script(op->script).source).format().view());
-      op->reloaded = true;
-      queued_.push_front(std::move(op));
-      queued_.push_front(std::move(load));
-      return;
-    }
-    if (!opt_.sentinels.empty() && is_not_master(reply.get())) {
-      // A master demoted under us (Sentinel): the call ran nothing there. It goes first on the
-      // next connection, which asks the sentinels again; what was behind it is in doubt as on
-      // any broken connection.
-      op->script_reply.reset();
-      queued_.push_front(std::move(op));
-      return broken({fmt::format("Redis at {} answered {} (not the master now)", where_,
-                                 error_code(reply_text(reply.get()))),
-                     false});
-    }
-    if (op->resent && is_error(reply.get())) {
-      const std::string text(reply_text(reply.get()));
-      return op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), text, std::string(error_code(text))); }),
-                        nullptr);
+      case Next::leave_master:
+        // It goes first on the next connection, which asks the sentinels again; what was behind
+        // it is in doubt as on any broken connection.
+        op->script_reply.reset();
+        queued_.push_front(std::move(op));
+        return broken({fmt::format("Redis at {}: {}", where_, d.why), false});
+      case Next::fail:
+        return op->finish(d.error, nullptr);
+      case Next::deliver:
+      case Next::resend:
+        break;
     }
     op->finish(nullptr, std::move(reply));
   }
@@ -477,16 +472,13 @@ private:
     for (auto it = doubt.rbegin(); it != doubt.rend(); ++it) {
       std::unique_ptr<Op>& op = *it;
       if (op->internal) continue;
-      if (op->resent) {
-        op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), f.text, ""); }), nullptr);
-      } else if (op->same_holder) {
+      const Decision d = on_lost(op->attempt, f, op->same_holder ? Resend::same_holder : Resend::never, op->describe());
+      if (d.next == Next::resend) {
         op->script_reply.reset();
-        op->resent = true;
-        op->first = f;
         ++resent_;
         queued_.push_front(std::move(op));
       } else {
-        op->finish(capture([&] { throw_io_error(f, true); }), nullptr);
+        op->finish(d.error, nullptr);
       }
     }
     if (!queued_.empty() && !closed_) connect();

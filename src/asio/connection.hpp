@@ -17,6 +17,7 @@
 
 #include "client.hpp"
 #include "idem/asio/redis_store.hpp"
+#include "reply_machine.hpp"
 #include "scripts.hpp"
 
 namespace idem::detail::asio_redis {
@@ -57,11 +58,9 @@ struct Op {
   Script script = Script::acquire;
   bool same_holder = true;    // a lost reply is asked again once as the same holder (not inspect)
   bool internal = false;      // the connection's own (a script reload): never a caller's
-  bool reloaded = false;      // sent again after NOSCRIPT once already
   bool waits = false;         // a WAIT follows the script in `bytes` (min_replica_acks): two replies
   ReplyPtr script_reply;      // with `waits`, the script's reply while the WAIT's is awaited
-  bool resent = false;        // this is the second sending
-  IoFailure first;            // why the first sending was lost
+  Attempt attempt;            // what it has been through (reply_machine.hpp): reload, resend, redirections
   Clock::time_point deadline; // command_timeout from the write
   // Auto-batching: a one-key step's place in `bytes` (its single-key EVALSHA), so the connection
   // can send it inside one `many` call with other callers' steps. `step` is many.lua's letter for
@@ -73,20 +72,19 @@ struct Op {
   std::uint32_t args_at = 0;     // the first argument's (they run to script_end)
   std::uint32_t script_end = 0;  // the end of the EVALSHA (a WAIT may follow it)
   // Cluster mode: the slot of the key (a coalesced call carries one slot's steps only, as the
-  // server runs a script on one slot), ASKING to send before it (an ASK answer: once, to the
-  // slot's importing node), and how many redirections it has followed.
+  // server runs a script on one slot) and ASKING to send before it (an ASK answer: once, to the
+  // slot's importing node).
   int slot = -1;
   bool asking = false;
   bool asking_sent = false;  // ASKING went before it in this write: its +OK comes first
-  int redirects = 0;
   bool solo = false;  // never coalesced again: its coalesced call met a slot split by a migration
 };
 
 // Cluster mode: what a node's connection hands back to the router instead of answering the caller.
 struct Routing {
   virtual ~Routing() = default;
-  // `op` was answered MOVED, ASK or TRYAGAIN (`reply`): it ran nothing there.
-  virtual void reroute(std::unique_ptr<Op> op, ReplyPtr reply) = 0;
+  // `op` was answered MOVED, ASK or TRYAGAIN: it ran nothing there; `d` says where it goes now.
+  virtual void reroute(std::unique_ptr<Op> op, const Decision& d) = 0;
   // A node's connection broke or could not be opened: the slot map may be out of date.
   virtual void doubt() noexcept = 0;
 };

@@ -84,22 +84,12 @@ public:
     return sum;
   }
 
-  void reroute(std::unique_ptr<Op> op, ReplyPtr reply) override {
-    const std::string text(reply_text(reply.get()));
-    if (++op->redirects > opt_.max_redirects) {
-      auto e = capture([&] {
-        throw store_error(fmt::format("idem: the Redis Cluster redirected the {} of slot {} {} times "
-                                      "(RedisOptions::max_redirects), the last answer: {}; a slot is moving or the "
-                                      "map is inconsistent: retry later",
-                                      op->describe(), op->slot, op->redirects - 1, text),
-                          "REDIRECTS", true);
-      });
-      return fail(std::move(op), e);
+  void reroute(std::unique_ptr<Op> op, const Decision& d) override {
+    op->asking = d.next == Next::ask;  // ASK: this sending only, to the node importing the slot
+    if (d.next != Next::later) {
+      client_->cluster_redirected(d.to);
+      return route(std::move(op), op->asking ? &d.to.to : nullptr);
     }
-    const std::optional<Redirect> to = parse_redirect(text);
-    if (to) client_->cluster_redirected(*to);
-    op->asking = to && to->ask;  // ASK: this sending only, to the node importing the slot
-    if (to) return route(std::move(op), to->ask ? &to->to : nullptr);
     // TRYAGAIN: a slot in migration holds some of a coalesced call's keys and not the others.
     // The callers did not ask for one call: each step goes alone (served by the source, or ASK).
     if (auto steps = op->dissolve(); !steps.empty()) {
@@ -107,8 +97,7 @@ public:
       return;
     }
     // One key's own call (a resharding tool's multi-step move): later, then, not at once.
-    const auto delay = std::chrono::milliseconds(std::min(5 << std::min(op->redirects, 5), 100));
-    auto timer = std::make_shared<net::steady_timer>(ex_, delay);
+    auto timer = std::make_shared<net::steady_timer>(ex_, d.delay);
     timer->async_wait([timer, weak = weak_from_this(), op = std::move(op)](boost::system::error_code) mutable {
       if (auto self = weak.lock()) return self->route(std::move(op), nullptr);
       op->finish(capture([] { throw usage_error("idem: this AsyncRedisStore is being destroyed"); }), nullptr);
@@ -148,14 +137,13 @@ private:
   }
 
   static void fail(std::unique_ptr<Op> op, const std::exception_ptr& e) {
-    if (!op->resent) return op->finish(e, nullptr);
     std::string text = "no route";
     try {
       std::rethrow_exception(e);
     } catch (const std::exception& x) {
       text = x.what();
     }
-    op->finish(capture([&] { throw_outcome_unknown(op->first, op->describe(), text, ""); }), nullptr);
+    op->finish(on_unsent(op->attempt, e, text, op->describe()).error, nullptr);
   }
 
   net::any_io_executor ex_;

@@ -19,6 +19,8 @@
 #include <hiredis/hiredis.h>
 
 #include "command.hpp"
+#include "reply.hpp"
+#include "reply_machine.hpp"
 #include "idem/core/error.hpp"
 #include "pool.hpp"
 #include "idem/redis/client.hpp"
@@ -28,21 +30,11 @@
 
 namespace idem::detail::redis {
 
-struct ReplyFree {
-  void operator()(redisReply* r) const noexcept { freeReplyObject(r); }
-};
-using ReplyPtr = std::unique_ptr<redisReply, ReplyFree>;
-
 struct ContextFree {
   void operator()(redisContext* c) const noexcept { redisFree(c); }
 };
 using ContextPtr = std::unique_ptr<redisContext, ContextFree>;
 
-inline bool is_error(const redisReply* r) { return r->type == REDIS_REPLY_ERROR; }
-inline std::string_view reply_text(const redisReply* r) { return {r->str, r->len}; }
-inline std::string_view error_code(std::string_view text) { return text.substr(0, text.find(' ')); }
-// NOSCRIPT: the script cache was flushed (or the server restarted); the call ran nothing.
-inline bool is_noscript(const redisReply* r) { return is_error(r) && error_code(reply_text(r)) == "NOSCRIPT"; }
 
 // What differs between the stores in the advice an error reply carries.
 struct ReplyErrorHints {
@@ -59,24 +51,9 @@ extern const ReplyErrorHints sequence_hints;
 [[noreturn]] void throw_reply_error(std::string_view text, std::string_view what, const ReplyErrorHints& hints);
 // A reply of a shape idem's scripts never send.
 [[noreturn]] void throw_bad_reply(std::string_view what);
-// A socket failure or timeout while `during` (e.g. "to EVALSHA"): what happened, without advice.
-struct IoFailure {
-  std::string text;  // "Redis at host:port did not answer ...", "connection to Redis at ... broke ..."
-  bool timed_out = false;
-};
 IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout);
-// timeout_error or connection_error (retryable), saying whether the request may have run.
-[[noreturn]] void throw_io_error(const IoFailure& f, bool maybe_ran);
-// A request whose reply was lost was sent once more, as the same holder, and that did not settle
-// it either (`second` says why): outcome_unknown_error. `what` names the request.
-[[noreturn]] void throw_outcome_unknown(const IoFailure& first, std::string_view what, std::string_view second,
-                                        std::string code);
 std::string ms(millis d);
 
-// Whether a request whose reply was lost (it may have run) is sent once more on a fresh
-// connection: same_holder for idem's holder scripts, which answer their own step already done as
-// done (record.lua); never for anything else.
-enum class Resend { never, same_holder };
 
 // What the server's settings allow, read by CONFIG GET (ServerConfig::problem says when it could not be).
 struct ServerConfig {
@@ -95,10 +72,6 @@ void throw_if_error(const redisReply* r, const ReplyErrorHints& hints, const Wha
 // The options with the URL (when set) parsed into them and checked (invalid_options_error naming the field).
 RedisOptions resolve_options(RedisOptions o);
 
-struct Endpoint {
-  std::string host;
-  int port = 0;
-};
 // "host:port" entries parsed (invalid_options_error naming a bad one, as `what`).
 std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int default_port, const char* what);
 // RedisOptions::sentinels parsed.
@@ -138,9 +111,6 @@ struct Link {
 // when too few replicas acknowledged (`where` names the primary).
 void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,
                 const std::string& where);
-// The replica answered where a master was expected, or the server is not ready: the request ran
-// nothing, and (Sentinel) the sentinels may know a better server. Every connection user asks this.
-bool is_not_master(const redisReply* r);
 // AUTH [user] password onto `p`, when there is a password.
 void add_auth(Pipeline& p, const std::string& user, const std::string& password);
 // "host:port", "[v6]:port", or the socket path (port 0).
@@ -155,7 +125,6 @@ Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sen
                          std::size_t& first);
 
 class Cluster;
-struct Redirect;
 
 class Client {
 public:
@@ -307,25 +276,22 @@ private:
   template <class F>
   auto with_resend(F&& f, Resend resend, std::string_view what) {
     if (resend == Resend::never) return with_connection(f);
-    IoFailure first;
-    try {
-      return attempt(f);
-    } catch (const InDoubt& e) {
-      first = e.failure;
+    Attempt a;
+    Decision d;
+    for (;;) {
+      try {
+        auto result = attempt(f);
+        const redisReply* bad = a.resent ? first_error(result) : nullptr;
+        if (bad == nullptr) return result;
+        d = on_resent_reply(a, bad, what);
+      } catch (const InDoubt& e) {
+        d = on_lost(a, e.failure, resend, what);
+      } catch (const error& e) {
+        if (!a.resent) throw;
+        d = on_unsent(a, std::current_exception(), e.what(), what);
+      }
+      if (d.next != Next::resend) std::rethrow_exception(d.error);
     }
-    std::string second, code;
-    try {
-      auto result = attempt(f);
-      const redisReply* bad = first_error(result);
-      if (bad == nullptr) return result;
-      second = reply_text(bad);
-      code = error_code(second);
-    } catch (const InDoubt& e) {
-      second = e.failure.text;
-    } catch (const error& e) {
-      second = e.what();
-    }
-    throw_outcome_unknown(first, what, second, std::move(code));
   }
   static const redisReply* first_error(const Single& r) { return is_error(r.reply.get()) ? r.reply.get() : nullptr; }
   static const redisReply* first_error(const Many& rs) {

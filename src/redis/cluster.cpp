@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "idem/core/error.hpp"
+#include "reply_machine.hpp"
 
 namespace idem::detail::redis {
 
@@ -229,7 +230,8 @@ std::shared_ptr<Client> Cluster::node_of(int slot) {
 template <class Send>
 ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send) {
   std::optional<Endpoint> ask;
-  for (int hop = 1;; ++hop) {
+  Attempt a;
+  for (;;) {
     ReplyPtr r;
     try {
       std::shared_ptr<Client> node = ask ? node_at(*ask) : node_of(slot);
@@ -239,34 +241,27 @@ ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send) {
       throw;
     }
     if (!is_error(r.get())) return r;
-    const std::string_view text = reply_text(r.get());
-    const std::string_view code = error_code(text);
-    const std::optional<Redirect> to = parse_redirect(text);
-    if (!to && code != "TRYAGAIN") {
-      if (code == "CLUSTERDOWN") suspect();
-      return r;  // the caller maps it
+    Decision d = on_redirect(a, r.get(), max_redirects_, what, slot);
+    switch (d.next) {
+      case Next::later:
+        tryagain_.fetch_add(1);
+        ask.reset();
+        std::this_thread::sleep_for(d.delay);
+        continue;
+      case Next::ask:
+        ask_.fetch_add(1);
+        ask = std::move(d.to.to);  // this call only: the slot is still the old master's
+        continue;
+      case Next::moved:
+        ask.reset();
+        moved(d.to);
+        continue;
+      case Next::fail:
+        std::rethrow_exception(d.error);
+      default:
+        if (error_code(reply_text(r.get())) == "CLUSTERDOWN") suspect();
+        return r;  // the caller maps it
     }
-    if (hop >= max_redirects_)
-      throw store_error(fmt::format("idem: the Redis Cluster redirected {} of slot {} {} times "
-                                    "(RedisOptions::max_redirects), the last answer: {}; a slot is moving or the map "
-                                    "is inconsistent: retry later",
-                                    what, slot, hop, text),
-                        "REDIRECTS", true);
-    if (!to) {
-      // A key of a multi-key call moved while another did not (a slot in migration): it ran
-      // nothing; once the keys are together it will run.
-      tryagain_.fetch_add(1);
-      ask.reset();
-      std::this_thread::sleep_for(std::min(std::chrono::milliseconds(5 << std::min(hop, 5)), std::chrono::milliseconds(100)));
-      continue;
-    }
-    if (to->ask) {
-      ask_.fetch_add(1);
-      ask = to->to;  // this call only: the slot is still the old master's
-      continue;
-    }
-    ask.reset();
-    moved(*to);
   }
 }
 

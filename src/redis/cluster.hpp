@@ -26,12 +26,6 @@ namespace idem::detail::redis {
 
 inline constexpr int slot_count = 16384;
 
-// A redirection error reply: "MOVED 3999 127.0.0.1:6381" or "ASK 3999 127.0.0.1:6381".
-struct Redirect {
-  bool ask = false;
-  int slot = 0;
-  Endpoint to;
-};
 // The redirection an error reply's text names, or nothing when it is not one. An empty host
 // (a node that does not know its own address, "MOVED 1 :6380") is `fallback_host`.
 std::optional<Redirect> parse_redirect(std::string_view error_text, std::string_view fallback_host = "127.0.0.1");

@@ -1,0 +1,194 @@
+// The reply machine (src/redis/reply_machine.hpp) step by step, without a socket: each reply or
+// I/O event a transport can see, what the machine answers, and what it remembers of the request.
+// Replies are read by hiredis's reader from the bytes a server sends, as both transports get them.
+#include <catch2/catch.hpp>
+
+#include <hiredis/hiredis.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "idem/core/error.hpp"
+#include "reply_machine.hpp"
+
+using namespace idem::detail::redis;
+using std::chrono::milliseconds;
+
+namespace {
+
+std::unique_ptr<redisReply, void (*)(void*)> reply_of(const std::string& resp) {
+  std::unique_ptr<redisReader, void (*)(redisReader*)> reader(redisReaderCreate(), redisReaderFree);
+  REQUIRE(redisReaderFeed(reader.get(), resp.data(), resp.size()) == REDIS_OK);
+  void* r = nullptr;
+  REQUIRE(redisReaderGetReply(reader.get(), &r) == REDIS_OK);
+  REQUIRE(r != nullptr);
+  return {static_cast<redisReply*>(r), freeReplyObject};
+}
+auto error_reply(const std::string& text) { return reply_of("-" + text + "\r\n"); }
+
+const Route cluster{.cluster = true, .sentinel = false, .max_redirects = 3};
+const Route sentinel{.cluster = false, .sentinel = true, .max_redirects = 3};
+const Route plain{};
+
+// The exception a `fail` decision carries, rethrown for Catch's matchers.
+template <class E>
+const E* failure_as(const Decision& d, std::string& what) {
+  REQUIRE(d.next == Next::fail);
+  REQUIRE(d.error);
+  try {
+    std::rethrow_exception(d.error);
+  } catch (const E& e) {
+    what = e.what();
+    return &e;
+  } catch (...) {
+  }
+  FAIL("the decision carries another exception type");
+  return nullptr;
+}
+
+}  // namespace
+
+TEST_CASE("reply machine: a reply that is not an error is delivered and changes nothing", "[redis][reply_machine]") {
+  Attempt a;
+  for (const char* resp : {"+OK\r\n", ":7\r\n", "$3\r\nabc\r\n", "*0\r\n", "$-1\r\n"}) {
+    const auto r = reply_of(resp);
+    CHECK(on_reply(a, r.get(), cluster, "acquire of key 'k'", 1).next == Next::deliver);
+  }
+  CHECK(a.redirects == 0);
+  CHECK_FALSE(a.reloaded);
+  CHECK_FALSE(a.resent);
+}
+
+TEST_CASE("reply machine: MOVED, ASK and TRYAGAIN on a cluster, each counted", "[redis][reply_machine]") {
+  Attempt a;
+  const auto moved = error_reply("MOVED 3999 127.0.0.1:7002");
+  Decision d = on_reply(a, moved.get(), cluster, "acquire of key 'k'", 3999);
+  CHECK(d.next == Next::moved);
+  CHECK_FALSE(d.to.ask);
+  CHECK(d.to.slot == 3999);
+  CHECK(d.to.to.host == "127.0.0.1");
+  CHECK(d.to.to.port == 7002);
+  CHECK(a.redirects == 1);
+
+  const auto ask = error_reply("ASK 3999 127.0.0.1:7003");
+  d = on_reply(a, ask.get(), cluster, "acquire of key 'k'", 3999);
+  CHECK(d.next == Next::ask);
+  CHECK(d.to.ask);
+  CHECK(d.to.to.port == 7003);
+  CHECK(a.redirects == 2);
+
+  const auto tryagain = error_reply("TRYAGAIN Multiple keys request during rehashing of slot");
+  d = on_reply(a, tryagain.get(), cluster, "acquire of key 'k'", 3999);
+  CHECK(d.next == Next::later);
+  CHECK(d.delay == milliseconds(40));  // the third redirection's wait
+  CHECK(a.redirects == 3);
+}
+
+TEST_CASE("reply machine: the redirection after max_redirects fails, retryable, saying what and where",
+          "[redis][reply_machine]") {
+  Attempt a;
+  const auto moved = error_reply("MOVED 12 127.0.0.1:7001");
+  for (int i = 1; i <= cluster.max_redirects; ++i) CHECK(on_reply(a, moved.get(), cluster, "the run", 12).next == Next::moved);
+  std::string what;
+  const auto* e = failure_as<idem::store_error>(on_reply(a, moved.get(), cluster, "complete of key 'k'", 12), what);
+  CHECK(e->code() == "REDIRECTS");
+  CHECK(e->retryable());
+  CHECK_THAT(what, Catch::Contains("complete of key 'k'") && Catch::Contains("slot 12") &&
+                       Catch::Contains("3 times") && Catch::Contains("MOVED 12 127.0.0.1:7001") &&
+                       Catch::Contains("max_redirects"));
+}
+
+TEST_CASE("reply machine: with no router a redirection is the caller's error reply", "[redis][reply_machine]") {
+  Attempt a;
+  const auto moved = error_reply("MOVED 12 127.0.0.1:7001");
+  CHECK(on_reply(a, moved.get(), plain, "acquire", -1).next == Next::deliver);
+  CHECK(a.redirects == 0);
+  CHECK(on_redirect(a, error_reply("ERR wrong number of arguments").get(), 5, "acquire", 1).next == Next::deliver);
+  CHECK(on_redirect(a, reply_of("+OK\r\n").get(), 5, "acquire", 1).next == Next::deliver);
+}
+
+TEST_CASE("reply machine: TRYAGAIN waits longer each time, at most 100 ms", "[redis][reply_machine]") {
+  CHECK(tryagain_delay(1) == milliseconds(10));
+  CHECK(tryagain_delay(2) == milliseconds(20));
+  CHECK(tryagain_delay(3) == milliseconds(40));
+  CHECK(tryagain_delay(4) == milliseconds(80));
+  CHECK(tryagain_delay(5) == milliseconds(100));
+  CHECK(tryagain_delay(50) == milliseconds(100));
+  CHECK(tryagain_delay(0) == milliseconds(10));
+}
+
+TEST_CASE("reply machine: NOSCRIPT reloads once, a second one is the caller's error", "[redis][reply_machine]") {
+  Attempt a;
+  const auto noscript = error_reply("NOSCRIPT No matching script. Please use EVAL.");
+  CHECK(on_reply(a, noscript.get(), plain, "acquire", -1).next == Next::reload);
+  CHECK(a.reloaded);
+  CHECK(on_reply(a, noscript.get(), plain, "acquire", -1).next == Next::deliver);
+}
+
+TEST_CASE("reply machine: a demoted master is left under Sentinel only", "[redis][reply_machine]") {
+  for (const char* text : {"READONLY You can't write against a read only replica.", "LOADING Redis is loading",
+                           "MASTERDOWN Link with MASTER is down"}) {
+    Attempt a;
+    const auto r = error_reply(text);
+    const Decision d = on_reply(a, r.get(), sentinel, "acquire", -1);
+    CHECK(d.next == Next::leave_master);
+    CHECK_THAT(d.why, Catch::Contains("not the master now"));
+    CHECK(on_reply(a, r.get(), plain, "acquire", -1).next == Next::deliver);
+  }
+}
+
+TEST_CASE("reply machine: a lost reply is resent once as the same holder, a second loss is in doubt",
+          "[redis][reply_machine]") {
+  SECTION("a holder's step") {
+    Attempt a;
+    const IoFailure first{"Redis at 127.0.0.1:6379 did not answer within command_timeout (200 ms)", true};
+    CHECK(on_lost(a, first, Resend::same_holder, "complete of key 'k'").next == Next::resend);
+    CHECK(a.resent);
+    CHECK(a.first.text == first.text);
+    std::string what;
+    const auto* e = failure_as<idem::outcome_unknown_error>(
+        on_lost(a, {"connection to Redis at 127.0.0.1:6379 broke", false}, Resend::same_holder, "complete of key 'k'"),
+        what);
+    CHECK(e != nullptr);
+    CHECK_THAT(what, Catch::Contains("complete of key 'k'") && Catch::Contains("did not answer") &&
+                         Catch::Contains("broke"));
+  }
+  SECTION("a request that is not a holder's: a retryable I/O error, may have run") {
+    Attempt a;
+    std::string what;
+    CHECK(failure_as<idem::timeout_error>(on_lost(a, {"no answer", true}, Resend::never, "inspect"), what)->retryable());
+    CHECK_THAT(what, Catch::Contains("may or may not have run"));
+    CHECK(failure_as<idem::connection_error>(on_lost(a, {"broke", false}, Resend::never, "inspect"), what)->retryable());
+    CHECK_FALSE(a.resent);
+  }
+}
+
+TEST_CASE("reply machine: after a resend an error reply is in doubt, a redirection is still followed",
+          "[redis][reply_machine]") {
+  Attempt a;
+  REQUIRE(on_lost(a, {"broke", false}, Resend::same_holder, "acquire of key 'k'").next == Next::resend);
+  const auto moved = error_reply("MOVED 5 127.0.0.1:7001");
+  CHECK(on_reply(a, moved.get(), cluster, "acquire of key 'k'", 5).next == Next::moved);
+  const auto noscript = error_reply("NOSCRIPT No matching script.");
+  CHECK(on_reply(a, noscript.get(), cluster, "acquire of key 'k'", 5).next == Next::reload);
+  const auto usage = error_reply("IDEMUSAGE the lease is held by another holder");
+  std::string what;
+  const auto* e = failure_as<idem::outcome_unknown_error>(on_reply(a, usage.get(), cluster, "acquire of key 'k'", 5), what);
+  CHECK(e->code() == "IDEMUSAGE");
+  CHECK_THAT(what, Catch::Contains("broke") && Catch::Contains("held by another holder"));
+  CHECK(on_reply(a, reply_of(":1\r\n").get(), cluster, "acquire of key 'k'", 5).next == Next::deliver);
+  CHECK(on_resent_reply(Attempt{}, usage.get(), "acquire").next == Next::deliver);  // a first sending's own error
+}
+
+TEST_CASE("reply machine: a request that cannot be sent fails with its error, a resend stays in doubt",
+          "[redis][reply_machine]") {
+  const auto refused = std::make_exception_ptr(idem::connection_error("idem: cannot connect", "", true));
+  Attempt a;
+  std::string what;
+  CHECK(failure_as<idem::connection_error>(on_unsent(a, refused, "cannot connect", "acquire"), what) != nullptr);
+  CHECK(what == "idem: cannot connect");
+  REQUIRE(on_lost(a, {"broke", false}, Resend::same_holder, "acquire").next == Next::resend);
+  CHECK(failure_as<idem::outcome_unknown_error>(on_unsent(a, refused, "cannot connect", "acquire"), what) != nullptr);
+  CHECK_THAT(what, Catch::Contains("broke") && Catch::Contains("cannot connect"));
+}
