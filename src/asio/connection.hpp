@@ -25,17 +25,6 @@ namespace idem::detail::asio_redis {
 using namespace idem::detail::redis;
 using Clock = std::chrono::steady_clock;
 
-// What f throws, as an exception_ptr (null when it returns).
-template <class F>
-std::exception_ptr capture(F&& f) noexcept {
-  try {
-    f();
-  } catch (...) {
-    return std::current_exception();
-  }
-  return nullptr;
-}
-
 // One request: its bytes, what to do when its reply is lost, and what to do with the reply.
 struct Op {
   virtual ~Op() = default;
@@ -57,7 +46,8 @@ struct Op {
   [[nodiscard]] std::string describe() const;
   Script script = Script::acquire;
   bool same_holder = true;    // a lost reply is asked again once as the same holder (not inspect)
-  bool internal = false;      // the connection's own (a script reload): never a caller's
+  bool internal = false;      // the connection's own (a script reload, an idle PING): never a caller's
+  bool probe = false;         // the idle health check's PING
   bool waits = false;         // a WAIT follows the script in `bytes` (min_replica_acks): two replies
   ReplyPtr script_reply;      // with `waits`, the script's reply while the WAIT's is awaited
   Attempt attempt;            // what it has been through (reply_machine.hpp): reload, resend, redirections

@@ -239,12 +239,6 @@ void Client::load(Link& c, Script s, const ReplyErrorHints& hints) const {
   check_loaded(read_reply(c, "to SCRIPT LOAD").get(), s, hints);
 }
 
-bool is_not_master(const redisReply* r) {
-  if (!is_error(r)) return false;
-  const std::string_view code = error_code(reply_text(r));
-  return code == "READONLY" || code == "LOADING" || code == "MASTERDOWN";
-}
-
 namespace {
 // One formatted request seen as a pipeline of one, so eval builds no Pipeline.
 struct OneRequest {
@@ -278,10 +272,22 @@ void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorH
   } else {
     send(c, p.all(), p[0].size());
   }
+  // The reply machine decides per reply (reply_machine.hpp); routing is the cluster's, above this
+  // server, and a lost reply is with_resend's.
+  const Route route{.sentinel = !sentinels_.empty()};
   std::vector<std::size_t> again;
+  std::string demoted;  // why a reply said the server is no longer the master
+  auto decide = [&](std::size_t i, bool reloaded) {
+    if (!is_error(out[i].get())) return;
+    Attempt a;
+    a.reloaded = reloaded;
+    const Decision d = on_reply(a, out[i].get(), route, script(s).name, -1);
+    if (d.next == Next::reload) again.push_back(i);
+    else if (d.next == Next::leave_master && demoted.empty()) demoted = d.why;
+  };
   for (std::size_t i = 0; i < p.size(); ++i) {
     out[i] = read_reply(c, during);
-    if (is_noscript(out[i].get())) again.push_back(i);
+    decide(i, false);
   }
   if (wait != nullptr) *wait = read_reply(c, "to WAIT");
   if (!again.empty()) {
@@ -293,15 +299,16 @@ void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorH
     if (Requests::asking) (void)read_reply(c, "to ASKING");
     for (std::size_t i : again) out[i] = read_reply(c, during);
     if (wait != nullptr) *wait = read_reply(c, "to WAIT");
+    const std::vector<std::size_t> reloaded = std::move(again);
+    again.clear();
+    for (std::size_t i : reloaded) decide(i, true);
   }
-  // Sentinel mode: a server that is no longer the master ran nothing; ask the sentinels and send
-  // it once more on a connection to the master they name (attempt() retries a NotSent once).
-  if (!sentinels_.empty())
-    for (std::size_t i = 0; i < p.size(); ++i)
-      if (is_not_master(out[i].get())) {
-        suspect();
-        throw NotSent{fmt::format("it answered {} (not the master now)", error_code(reply_text(out[i].get())))};
-      }
+  // A server that is no longer the master ran nothing; ask the sentinels and send it once more on
+  // a connection to the master they name (attempt() retries a NotSent once).
+  if (!demoted.empty()) {
+    suspect();
+    throw NotSent{demoted};
+  }
 }
 
 void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,

@@ -3,6 +3,7 @@
 // words the client (client.hpp), the cluster router (cluster.hpp), the reply machine
 // (reply_machine.hpp) and the multiplexed connection (src/asio) share.
 
+#include <exception>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -10,6 +11,17 @@
 #include <hiredis/hiredis.h>
 
 namespace idem::detail::redis {
+
+// What f throws, as an exception_ptr (null when it returns).
+template <class F>
+std::exception_ptr capture(F&& f) noexcept {
+  try {
+    f();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
 
 struct ReplyFree {
   void operator()(redisReply* r) const noexcept { freeReplyObject(r); }

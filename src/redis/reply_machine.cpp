@@ -14,16 +14,6 @@ namespace idem::detail::redis {
 
 namespace {
 
-template <class F>
-std::exception_ptr capture_error(F&& f) noexcept {
-  try {
-    f();
-  } catch (...) {
-    return std::current_exception();
-  }
-  return nullptr;
-}
-
 Decision fail(std::exception_ptr e) {
   Decision d;
   d.next = Next::fail;
@@ -32,6 +22,12 @@ Decision fail(std::exception_ptr e) {
 }
 
 }  // namespace
+
+bool is_not_master(const redisReply* r) {
+  if (!is_error(r)) return false;
+  const std::string_view code = error_code(reply_text(r));
+  return code == "READONLY" || code == "LOADING" || code == "MASTERDOWN";
+}
 
 std::chrono::milliseconds tryagain_delay(int redirects) noexcept {
   return std::chrono::milliseconds(std::min(5 << std::clamp(redirects, 1, 5), 100));
@@ -43,7 +39,7 @@ Decision on_redirect(Attempt& a, const redisReply* r, int max_redirects, std::st
   std::optional<Redirect> to = parse_redirect(text);
   if (!to && error_code(text) != "TRYAGAIN") return {};
   if (++a.redirects > max_redirects)
-    return fail(capture_error([&] {
+    return fail(capture([&] {
       throw store_error(fmt::format("idem: the Redis Cluster redirected the {} of slot {} {} times "
                                     "(RedisOptions::max_redirects), the last answer: {}; a slot is moving or the "
                                     "map is inconsistent: retry later",
@@ -83,12 +79,12 @@ Decision on_resent_reply(const Attempt& a, const redisReply* r, std::string_view
   // (e.g. a lease taken by another holder since) says nothing about what the first one did.
   if (!a.resent || !is_error(r)) return {};
   const std::string text(reply_text(r));
-  return fail(capture_error([&] { throw_outcome_unknown(a.first, what, text, std::string(error_code(text))); }));
+  return fail(capture([&] { throw_outcome_unknown(a.first, what, text, std::string(error_code(text))); }));
 }
 
 Decision on_lost(Attempt& a, const IoFailure& f, Resend resend, std::string_view what) {
-  if (a.resent) return fail(capture_error([&] { throw_outcome_unknown(a.first, what, f.text, ""); }));
-  if (resend != Resend::same_holder) return fail(capture_error([&] { throw_io_error(f, true); }));
+  if (a.resent) return fail(capture([&] { throw_outcome_unknown(a.first, what, f.text, ""); }));
+  if (resend != Resend::same_holder) return fail(capture([&] { throw_io_error(f, true); }));
   a.resent = true;
   a.first = f;
   return {.next = Next::resend};
@@ -96,7 +92,7 @@ Decision on_lost(Attempt& a, const IoFailure& f, Resend resend, std::string_view
 
 Decision on_unsent(const Attempt& a, std::exception_ptr e, std::string_view why, std::string_view what) {
   if (!a.resent) return fail(std::move(e));
-  return fail(capture_error([&] { throw_outcome_unknown(a.first, what, why, ""); }));
+  return fail(capture([&] { throw_outcome_unknown(a.first, what, why, ""); }));
 }
 
 }  // namespace idem::detail::redis

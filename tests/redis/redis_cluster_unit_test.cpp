@@ -14,21 +14,13 @@
 #include "client.hpp"
 #include "cluster.hpp"
 #include "idem/core/error.hpp"
+#include "reply_of.hpp"
 
 using idem::detail::redis::parse_redirect;
 using idem::detail::redis::parse_slots;
+using idem_test::reply_of;
 
 namespace {
-
-// The reply hiredis reads from `resp`.
-std::unique_ptr<redisReply, void (*)(void*)> reply_of(const std::string& resp) {
-  std::unique_ptr<redisReader, void (*)(redisReader*)> reader(redisReaderCreate(), redisReaderFree);
-  REQUIRE(redisReaderFeed(reader.get(), resp.data(), resp.size()) == REDIS_OK);
-  void* r = nullptr;
-  REQUIRE(redisReaderGetReply(reader.get(), &r) == REDIS_OK);
-  REQUIRE(r != nullptr);
-  return {static_cast<redisReply*>(r), freeReplyObject};
-}
 
 std::string bulk(const std::string& s) { return "$" + std::to_string(s.size()) + "\r\n" + s + "\r\n"; }
 std::string range(int first, int last, const std::string& host, int port) {

@@ -11,20 +11,14 @@
 
 #include "idem/core/error.hpp"
 #include "reply_machine.hpp"
+#include "reply_of.hpp"
 
 using namespace idem::detail::redis;
+using idem_test::reply_of;
 using std::chrono::milliseconds;
 
 namespace {
 
-std::unique_ptr<redisReply, void (*)(void*)> reply_of(const std::string& resp) {
-  std::unique_ptr<redisReader, void (*)(redisReader*)> reader(redisReaderCreate(), redisReaderFree);
-  REQUIRE(redisReaderFeed(reader.get(), resp.data(), resp.size()) == REDIS_OK);
-  void* r = nullptr;
-  REQUIRE(redisReaderGetReply(reader.get(), &r) == REDIS_OK);
-  REQUIRE(r != nullptr);
-  return {static_cast<redisReply*>(r), freeReplyObject};
-}
 auto error_reply(const std::string& text) { return reply_of("-" + text + "\r\n"); }
 
 const Route cluster{.cluster = true, .sentinel = false, .max_redirects = 3};
