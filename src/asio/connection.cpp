@@ -52,7 +52,7 @@ std::string Op::describe() const {
   return fmt::format("{} of key '{}'", idem::detail::redis::script(script).name, detail::printable(key));
 }
 
-// The connection's own requests (SCRIPT LOAD after NOSCRIPT).
+// The connection's own requests (SCRIPT LOAD after NOSCRIPT, the idle PING).
 struct Internal final : Op {
   void finish(std::exception_ptr, ReplyPtr) noexcept override {}
 };
@@ -62,7 +62,7 @@ public:
   Connection(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<const Client> factory,
              std::weak_ptr<Routing> routing)
       : opt_(o), factory_(std::move(factory)), routing_(std::move(routing)), strand_(net::make_strand(ex)),
-        socket_(strand_), timer_(strand_), where_(factory_->where()) {}
+        socket_(strand_), timer_(strand_), idle_timer_(strand_), where_(factory_->where()) {}
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
   ~Connection() {
@@ -94,6 +94,7 @@ public:
     }
     net::post(strand_, [self = shared_from_this()] {
       self->closed_ = true;
+      self->idle_timer_.cancel();
       auto e = capture([] { throw connection_error("idem: the AsyncRedisStore was destroyed with this call pending; "
                                                    "the call may or may not have run", "", true); });
       self->drop_socket();
@@ -103,7 +104,8 @@ public:
   }
 
   AsyncRedisStats stats() const noexcept {
-    return {requests_.load(), writes_.load(), connects_.load(), resent_.load(), reloads_.load(), coalesced_.load()};
+    return {requests_.load(),  writes_.load(),    connects_.load(),      resent_.load(),
+            reloads_.load(),   coalesced_.load(), health_checks_.load(), health_failures_.load()};
   }
 
 private:
@@ -194,8 +196,10 @@ private:
     reader_.reset(redisReaderCreate());
     limit_aggregates(reader_.get());
     state_ = State::ready;
+    last_activity_ = Clock::now();
     write();
     read();
+    arm_idle_check();
   }
 
   // Nothing queued was written on this connection: a first sending never ran and fails with the
@@ -267,6 +271,7 @@ private:
   }
 
   void send_bytes(std::string bytes, std::size_t n) {
+    last_activity_ = Clock::now();
     requests_ += n;
     ++writes_;
     writing_ = true;
@@ -351,6 +356,7 @@ private:
   // Feeds n bytes to the reader and delivers every whole reply; false when that broke the connection.
   bool received(std::size_t n) {
     const auto gen = generation_;
+    last_activity_ = Clock::now();
     if (redisReaderFeed(reader_.get(), rbuf_.data(), n) != REDIS_OK) {
       broken({fmt::format("Redis at {} sent bytes that are not RESP", where_), false});
       return false;
@@ -443,6 +449,34 @@ private:
 
   // --- timeouts and failures ----------------------------------------------------------------
 
+  // The idle health check: a ready connection with nothing sent or received for
+  // health_check_interval sends PING. Its reply is dropped like a reload's; no reply within
+  // command_timeout breaks the connection as any late reply does (arm_timer), and with nothing
+  // queued it stays closed until the next call opens a fresh one. One timer per connection,
+  // re-armed for the rest of the interval while there is traffic.
+  void arm_idle_check() {
+    if (opt_.health_check_interval <= millis{0} || idle_armed_) return;
+    idle_armed_ = true;
+    idle_timer_.expires_at(last_activity_ + opt_.health_check_interval);
+    // A reconnect meanwhile is a connection like any other: its own activity is what counts.
+    idle_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      self->idle_armed_ = false;
+      if (ec || self->closed_ || self->state_ != State::ready) return;
+      if (!self->inflight_.empty() || !self->queued_.empty() ||
+          Clock::now() < self->last_activity_ + self->opt_.health_check_interval)
+        return self->arm_idle_check();
+      auto ping = std::make_unique<Internal>();
+      ping->internal = true;
+      ping->probe = true;
+      ping->label = "PING (idle health check)";
+      ping->bytes = "*1\r\n$4\r\nPING\r\n";
+      ++self->health_checks_;
+      self->queued_.push_back(std::move(ping));
+      self->write();
+      self->arm_idle_check();
+    });
+  }
+
   // One timer for the oldest request in flight: the deadlines grow along the queue, so when it
   // fires early for a request already answered, it is re-armed for the new oldest.
   void arm_timer() {
@@ -471,6 +505,7 @@ private:
     inflight_.clear();
     for (auto it = doubt.rbegin(); it != doubt.rend(); ++it) {
       std::unique_ptr<Op>& op = *it;
+      if (op->probe) ++health_failures_;
       if (op->internal) continue;
       const Decision d = on_lost(op->attempt, f, op->same_holder ? Resend::same_holder : Resend::never, op->describe());
       if (d.next == Next::resend) {
@@ -513,6 +548,9 @@ private:
   net::strand<net::any_io_executor> strand_;
   net::generic::stream_protocol::socket socket_;  // a dup of link_'s socket, for the loop's waits and plain I/O
   net::steady_timer timer_;
+  net::steady_timer idle_timer_;
+  Clock::time_point last_activity_{};  // the last write or read: the idle check counts from it
+  bool idle_armed_ = false;
   std::string where_;
   Link link_;  // the connection the factory opened (its TLS session, if any); owns the socket
   std::mutex opener_mu_;
@@ -530,7 +568,8 @@ private:
   std::size_t wdone_ = 0;  // TLS: bytes of wbuf_ written so far
   std::array<char, 64 * 1024> rbuf_{};
   ReaderPtr reader_;
-  std::atomic<std::uint64_t> requests_{0}, writes_{0}, connects_{0}, resent_{0}, reloads_{0}, coalesced_{0};
+  std::atomic<std::uint64_t> requests_{0}, writes_{0}, connects_{0}, resent_{0}, reloads_{0}, coalesced_{0},
+      health_checks_{0}, health_failures_{0};
 };
 
 std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const RedisOptions& o,

@@ -80,6 +80,8 @@ public:
       sum.resent += s.resent;
       sum.reloads += s.reloads;
       sum.coalesced += s.coalesced;
+      sum.health_checks += s.health_checks;
+      sum.health_failures += s.health_failures;
     }
     return sum;
   }

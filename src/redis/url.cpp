@@ -307,6 +307,8 @@ void check_options(const RedisOptions& o) {
   }
   if (!o.sentinel_user.empty() && o.sentinel_password.empty())
     bad(fmt::format("sentinel_user '{}' is set without sentinel_password", printable(o.sentinel_user)));
+  if (o.health_check_interval < millis{0})
+    bad(fmt::format("health_check_interval must be >= 0 (0 turns the idle PING off), got {}", ms(o.health_check_interval)));
   if (o.auto_batch < 1 || o.auto_batch > 1024)
     bad(fmt::format("auto_batch {} is not in 1..1024 (1 turns auto-batching off)", o.auto_batch));
   if (o.min_replica_acks < 0) bad(fmt::format("min_replica_acks {} is negative; 0 turns WAIT off", o.min_replica_acks));

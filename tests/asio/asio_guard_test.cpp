@@ -218,6 +218,56 @@ TEST_CASE("AsyncRedisStore: a stopped server times out in doubt, and after SIGCO
   CHECK(again.payload == "r");
 }
 
+// The idle health check: a connection idle for health_check_interval sends PING. A server that
+// answers keeps the connection; one that does not (stopped here; a host gone without a FIN, a
+// partition in production) loses it before a call is written to it, so the next call connects
+// afresh and is not sent into a dead connection to end in doubt.
+TEST_CASE("AsyncRedisStore: an idle connection is checked by PING and a silent one dropped before the next call",
+          "[asio]") {
+  idem::test::RedisServer server;
+  IoThread io;
+  idem::RedisOptions o = server.options();
+  o.command_timeout = 300ms;
+  o.health_check_interval = 200ms;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  const std::string ns = "idle-" + random_hex() + ":";
+  REQUIRE(store.acquire(ns + "a", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  std::this_thread::sleep_for(900ms);
+  auto st = store.stats();
+  CHECK(st.health_checks >= 2);  // every 200 ms of silence
+  CHECK(st.health_failures == 0);
+  CHECK(st.connects == 1);  // a healthy connection is kept
+
+  ::kill(server.pid(), SIGSTOP);
+  const auto checks = st.health_checks;
+  bool dropped = false;
+  for (int i = 0; i < 40 && !dropped; ++i) {
+    std::this_thread::sleep_for(50ms);
+    dropped = store.stats().health_failures > 0;
+  }
+  ::kill(server.pid(), SIGCONT);
+  CHECK(dropped);
+  CHECK(store.stats().health_checks > checks);
+  // The next call opens a fresh connection and runs once: no resend, nothing in doubt.
+  CHECK(store.acquire(ns + "b", idem::test::acquire_params(2)).status == idem::AcquireStatus::acquired);
+  st = store.stats();
+  CHECK(st.connects == 2);
+  CHECK(st.resent == 0);
+}
+
+TEST_CASE("AsyncRedisStore: health_check_interval 0 sends no PING, a negative one is refused", "[asio]") {
+  idem::test::RedisServer server;
+  IoThread io;
+  idem::RedisOptions o = server.options();
+  o.health_check_interval = 0ms;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  (void)store.inspect("warm");
+  std::this_thread::sleep_for(300ms);
+  CHECK(store.stats().health_checks == 0);
+  o.health_check_interval = -1ms;
+  CHECK_THROWS_AS(idem::AsyncRedisStore(io.io.get_executor(), o), idem::invalid_options_error);
+}
+
 TEST_CASE("AsyncRedisStore: SCRIPT FLUSH under load reloads and resends", "[asio]") {
   AsyncRedisFactory f;
   const std::string ns = "flush-" + random_hex() + ":";

@@ -35,6 +35,8 @@ struct AsyncRedisStats {
   std::uint64_t resent = 0;      ///< requests whose reply was lost, sent again as the same holder
   std::uint64_t reloads = 0;     ///< NOSCRIPT answers that reloaded a script
   std::uint64_t coalesced = 0;   ///< steps sent inside one script call with other callers' (auto-batching)
+  std::uint64_t health_checks = 0;    ///< PINGs sent on a connection idle for health_check_interval
+  std::uint64_t health_failures = 0;  ///< of them, unanswered within command_timeout: the connection was dropped
 };
 
 namespace detail::asio_redis {

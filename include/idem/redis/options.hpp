@@ -109,6 +109,10 @@ struct RedisOptions {
   /// flight; each caller gets the answer its own call would have had. A lone call goes out at once.
   /// 1 = off (a script call per step); 1..1024 (docs/async.md, "Auto-batching").
   std::size_t auto_batch = 128;
+  /// AsyncRedisStore: a connection idle this long sends PING; no answer within command_timeout
+  /// drops it, so the next call connects afresh instead of waiting out a dead peer (a host gone
+  /// without a FIN, a partition) and ending in doubt. 0 = off; >= 0.
+  millis health_check_interval{15'000};
   /// Receives store advisories (on_warning); null = none.
   std::shared_ptr<Observer> observer;
 };
