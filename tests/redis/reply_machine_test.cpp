@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "idem/core/error.hpp"
@@ -25,20 +26,21 @@ const Route cluster{.cluster = true, .sentinel = false, .max_redirects = 3};
 const Route sentinel{.cluster = false, .sentinel = true, .max_redirects = 3};
 const Route plain{};
 
-// The exception a `fail` decision carries, rethrown for Catch's matchers.
+// A copy of the exception a `fail` decision carries (the decision is often a temporary), its
+// what() in `what`; empty when it carries another type.
 template <class E>
-const E* failure_as(const Decision& d, std::string& what) {
+std::optional<E> failure_as(const Decision& d, std::string& what) {
   REQUIRE(d.next == Next::fail);
   REQUIRE(d.error);
   try {
     std::rethrow_exception(d.error);
   } catch (const E& e) {
     what = e.what();
-    return &e;
+    return e;
   } catch (...) {
   }
   FAIL("the decision carries another exception type");
-  return nullptr;
+  return std::nullopt;
 }
 
 }  // namespace
@@ -85,7 +87,8 @@ TEST_CASE("reply machine: the redirection after max_redirects fails, retryable, 
   const auto moved = error_reply("MOVED 12 127.0.0.1:7001");
   for (int i = 1; i <= cluster.max_redirects; ++i) CHECK(on_reply(a, moved.get(), cluster, "the run", 12).next == Next::moved);
   std::string what;
-  const auto* e = failure_as<idem::store_error>(on_reply(a, moved.get(), cluster, "complete of key 'k'", 12), what);
+  const auto e = failure_as<idem::store_error>(on_reply(a, moved.get(), cluster, "complete of key 'k'", 12), what);
+  REQUIRE(e);
   CHECK(e->code() == "REDIRECTS");
   CHECK(e->retryable());
   CHECK_THAT(what, Catch::Contains("complete of key 'k'") && Catch::Contains("slot 12") &&
@@ -141,10 +144,10 @@ TEST_CASE("reply machine: a lost reply is resent once as the same holder, a seco
     CHECK(a.resent);
     CHECK(a.first.text == first.text);
     std::string what;
-    const auto* e = failure_as<idem::outcome_unknown_error>(
+    const auto e = failure_as<idem::outcome_unknown_error>(
         on_lost(a, {"connection to Redis at 127.0.0.1:6379 broke", false}, Resend::same_holder, "complete of key 'k'"),
         what);
-    CHECK(e != nullptr);
+    REQUIRE(e);
     CHECK_THAT(what, Catch::Contains("complete of key 'k'") && Catch::Contains("did not answer") &&
                          Catch::Contains("broke"));
   }
@@ -168,7 +171,8 @@ TEST_CASE("reply machine: after a resend an error reply is in doubt, a redirecti
   CHECK(on_reply(a, noscript.get(), cluster, "acquire of key 'k'", 5).next == Next::reload);
   const auto usage = error_reply("IDEMUSAGE the lease is held by another holder");
   std::string what;
-  const auto* e = failure_as<idem::outcome_unknown_error>(on_reply(a, usage.get(), cluster, "acquire of key 'k'", 5), what);
+  const auto e = failure_as<idem::outcome_unknown_error>(on_reply(a, usage.get(), cluster, "acquire of key 'k'", 5), what);
+  REQUIRE(e);
   CHECK(e->code() == "IDEMUSAGE");
   CHECK_THAT(what, Catch::Contains("broke") && Catch::Contains("held by another holder"));
   CHECK(on_reply(a, reply_of(":1\r\n").get(), cluster, "acquire of key 'k'", 5).next == Next::deliver);
@@ -180,9 +184,9 @@ TEST_CASE("reply machine: a request that cannot be sent fails with its error, a 
   const auto refused = std::make_exception_ptr(idem::connection_error("idem: cannot connect", "", true));
   Attempt a;
   std::string what;
-  CHECK(failure_as<idem::connection_error>(on_unsent(a, refused, "cannot connect", "acquire"), what) != nullptr);
+  CHECK(failure_as<idem::connection_error>(on_unsent(a, refused, "cannot connect", "acquire"), what).has_value());
   CHECK(what == "idem: cannot connect");
   REQUIRE(on_lost(a, {"broke", false}, Resend::same_holder, "acquire").next == Next::resend);
-  CHECK(failure_as<idem::outcome_unknown_error>(on_unsent(a, refused, "cannot connect", "acquire"), what) != nullptr);
+  CHECK(failure_as<idem::outcome_unknown_error>(on_unsent(a, refused, "cannot connect", "acquire"), what).has_value());
   CHECK_THAT(what, Catch::Contains("broke") && Catch::Contains("cannot connect"));
 }
