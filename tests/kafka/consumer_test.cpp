@@ -25,6 +25,7 @@
 #include "idem/idem.hpp"
 #include "idem/kafka/processor.hpp"
 #include "kafka/mock_cluster.hpp"
+#include "support/sanitized.hpp"
 
 using namespace std::chrono_literals;
 using idem_test::Events;
@@ -36,13 +37,8 @@ using Guard = idem::IdempotencyGuard<idem::MemoryStore>;
 
 namespace {
 
-// A sanitized build beside the other suites (scripts/check) is several times slower: the group's
-// rebalances (heartbeats, joins) get more time there, never a weaker check.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr int slow = 2;
-#else
-constexpr int slow = 1;
-#endif
+// The group's rebalances (heartbeats, joins) get twice the time in a sanitized build.
+constexpr int slow = idem_test::sanitized ? 2 : 1;
 
 bool eventually(const std::function<bool()>& ready, std::chrono::milliseconds limit) {
   const auto until = Clock::now() + limit;

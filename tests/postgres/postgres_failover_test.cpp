@@ -26,6 +26,7 @@
 #include "idem/postgres.hpp"
 #include "pg_pair.hpp"
 #include "pg_support.hpp"
+#include "support/sanitized.hpp"
 
 using namespace std::chrono_literals;
 using idem::AcquireStatus;
@@ -284,11 +285,7 @@ TEST_CASE("postgres failover: a session on a read-only server never decides a cl
 TEST_CASE("postgres failover: repeated failovers under load lose no acknowledged completion or advance (sync replication)",
           "[postgres][failover][tx]") {
   // Ten failovers in a plain build, three under a sanitizer (slower, same paths); IDEM_PG_FAILOVERS sets it.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  constexpr int default_rounds = 3;
-#else
-  constexpr int default_rounds = 10;
-#endif
+  constexpr int default_rounds = idem_test::sanitized ? 3 : 10;
   const char* env = std::getenv("IDEM_PG_FAILOVERS");
   const int rounds = env && *env ? std::max(1, std::atoi(env)) : default_rounds;
   Pair pair("sync");
