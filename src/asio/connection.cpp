@@ -2,15 +2,23 @@
 // factory every Redis entry point shares (Client::open_ready: TCP or Unix, TLS, AUTH, SELECT,
 // Sentinel). Requests queue while a write is under way and then go out together, one-key steps
 // coalesced; replies are read as they come, parsed by hiredis's reader and matched in order.
+//
+// A blocked caller that finds the connection idle writes its request and reads the reply on its
+// own thread (call): one request in flight costs no hop to the loop and back. The connection is
+// handed between the strand and such a caller through one atomic (Owner): the strand parks it when
+// nothing is queued, in flight or being read, a caller claims a parked one, and the strand takes it
+// back before it writes again; a caller whose request goes wrong hands it back with the request.
 
 #include "connection.hpp"
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <climits>
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -23,7 +31,9 @@
 
 #include <boost/asio/generic/stream_protocol.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/execution/outstanding_work.hpp>
 #include <boost/asio/post.hpp>
+#include <boost/asio/prefer.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
@@ -57,11 +67,25 @@ struct Internal final : Op {
   void finish(std::exception_ptr, ReplyPtr) noexcept override {}
 };
 
+namespace {
+// Waits until `fd` is ready for `events` (or has an error to report); false at the deadline.
+bool wait_fd(int fd, short events, Clock::time_point deadline) noexcept {
+  for (;;) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, INT_MAX)));
+    if (rc > 0 || (rc < 0 && errno != EINTR)) return true;  // the I/O call that follows says what it is
+  }
+}
+}  // namespace
+
 class Connection : public std::enable_shared_from_this<Connection> {
 public:
   Connection(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<const Client> factory,
              std::weak_ptr<Routing> routing)
-      : opt_(o), factory_(std::move(factory)), routing_(std::move(routing)), strand_(net::make_strand(ex)),
+      : opt_(o), factory_(std::move(factory)), routing_(std::move(routing)),
+        work_(net::prefer(ex, net::execution::outstanding_work.tracked)), strand_(net::make_strand(ex)),
         socket_(strand_), timer_(strand_), idle_timer_(strand_), where_(factory_->where()) {}
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -71,6 +95,13 @@ public:
       if (opener_.get_id() == std::this_thread::get_id()) opener_.detach();
       else opener_.join();
     }
+  }
+
+  // A blocked caller's request, on its own thread when the connection is parked, else queued.
+  void call(std::unique_ptr<Op> op) {
+    Owner parked = Owner::parked;
+    if (!owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel)) return submit(std::move(op));
+    run_here(std::move(op));
   }
 
   // Any thread: the op joins the queue on the strand.
@@ -92,15 +123,7 @@ public:
       stopping_ = true;  // no opening starts after this one: its post could outlive the executor
       if (opener_.joinable()) opener_.join();
     }
-    net::post(strand_, [self = shared_from_this()] {
-      self->closed_ = true;
-      self->idle_timer_.cancel();
-      auto e = capture([] { throw connection_error("idem: the AsyncRedisStore was destroyed with this call pending; "
-                                                   "the call may or may not have run", "", true); });
-      self->drop_socket();
-      self->fail_all(self->inflight_, e);
-      self->fail_all(self->queued_, e);
-    });
+    net::post(strand_, [self = shared_from_this()] { self->close(); });
   }
 
   AsyncRedisStats stats() const noexcept {
@@ -110,6 +133,183 @@ public:
 
 private:
   enum class State { idle, connecting, ready };
+  // Who may use the socket: the strand; nobody (parked: ready and quiet, for the next blocked
+  // caller); a blocked caller on its own thread; the same with requests queued behind it (wanted:
+  // the caller hands the connection to the strand when done instead of parking it).
+  enum class Owner { strand, parked, caller, wanted };
+
+  void close() {
+    Owner parked = Owner::parked;
+    if (!owner_.compare_exchange_strong(parked, Owner::strand, std::memory_order_acq_rel) && parked != Owner::strand)
+      return net::post(strand_, [self = shared_from_this()] { self->close(); });  // a caller is finishing with it
+    closed_ = true;
+    work_ = {};
+    idle_timer_.cancel();
+    auto e = capture([] { throw connection_error("idem: the AsyncRedisStore was destroyed with this call pending; "
+                                                 "the call may or may not have run", "", true); });
+    drop_socket();
+    fail_all(inflight_, e);
+    fail_all(queued_, e);
+  }
+
+  // --- a blocked caller on its own thread -------------------------------------------------------
+
+  // The caller's own write and read, as write() and received() would do them for one request. It
+  // finishes the common case itself (any reply but an error one); everything else (a connection
+  // found closed, a write or read that failed, an error reply for the machine to decide on) is
+  // handed to the strand with the request, in the state the strand would have it in.
+  void run_here(std::unique_ptr<Op> op) {
+    if (!quiet())
+      return hand_back(std::move(op), false,
+                       {fmt::format("connection to Redis at {} was closed by the server while idle", where_), false});
+    touch();
+    ++requests_;
+    ++writes_;
+    op->deadline = Clock::now() + opt_.command_timeout;
+    IoFailure f;
+    const std::size_t sent = send_here(op->bytes, op->deadline, f);
+    if (sent < op->bytes.size()) return hand_back(std::move(op), sent > 0, std::move(f));
+    ReplyPtr reply = read_here(op->deadline, f);
+    ReplyPtr wait;
+    if (reply && op->waits) wait = read_here(op->deadline, f);
+    if (!reply || (op->waits && !wait)) return hand_back(std::move(op), true, std::move(f));
+    touch();
+    if (op->waits)
+      if (auto e = acks_failed(*op, reply, wait)) {
+        release();
+        return op->finish(e, nullptr);
+      }
+    if (is_error(reply.get())) return hand_reply(std::move(op), std::move(reply));
+    release();
+    op->finish(nullptr, std::move(reply));
+  }
+
+  // Nothing has come on the idle connection: the server has not closed it (a restart, its timeout).
+  bool quiet() noexcept {
+    const bool idle = link_.idle();
+    if (link_.tls) link_.tls->nonblocking_ = true;  // idle() leaves the session blocking
+    return idle;
+  }
+
+  // Writes `data` until all is written, an error or `deadline`: the bytes written (`f` says why when short).
+  std::size_t send_here(std::string_view data, Clock::time_point deadline, IoFailure& f) {
+    std::size_t done = 0;
+    for (;;) {
+      done += link_.write(data.substr(done));
+      if (done == data.size()) return done;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        f = {fmt::format("connection to Redis at {} broke while sending: {}", where_,
+                         link_.tls ? tls_failure() : std::string(std::strerror(errno))),
+             false};
+        return done;
+      }
+      if (!wait_fd(link_->fd, POLLOUT, deadline)) {
+        f = {timed_out_text(), true};
+        return done;
+      }
+    }
+  }
+
+  // The next whole reply, or null with `f` saying why.
+  ReplyPtr read_here(Clock::time_point deadline, IoFailure& f) {
+    for (;;) {
+      void* raw = nullptr;
+      if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK) {
+        f = {fmt::format("Redis at {} sent a reply that is not RESP: {}", where_, reader_error(reader_->err, reader_->errstr)),
+             false};
+        return nullptr;
+      }
+      if (raw != nullptr) return ReplyPtr(static_cast<redisReply*>(raw));
+      const long n = link_.tls ? link_.tls->read(rbuf_.data(), rbuf_.size())
+                               : static_cast<long>(::recv(link_->fd, rbuf_.data(), rbuf_.size(), 0));
+      if (n > 0) {
+        if (redisReaderFeed(reader_.get(), rbuf_.data(), static_cast<std::size_t>(n)) != REDIS_OK) {
+          f = {fmt::format("Redis at {} sent bytes that are not RESP", where_), false};
+          return nullptr;
+        }
+        continue;
+      }
+      if (n < 0 && errno == EINTR && !link_.tls) continue;
+      if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) || (link_.tls && link_.tls->refused())) {
+        const std::string why = n == 0 ? "the server closed it" : link_.tls ? tls_failure() : std::strerror(errno);
+        f = {fmt::format("connection to Redis at {} broke: {}", where_, why), false};
+        return nullptr;
+      }
+      if (!wait_fd(link_->fd, POLLIN, deadline)) {
+        f = {timed_out_text(), true};
+        return nullptr;
+      }
+    }
+  }
+
+  // The caller is done with the connection: parked again, or, with requests queued behind it,
+  // handed to the strand to write them.
+  void release() {
+    Owner mine = Owner::caller;
+    if (owner_.compare_exchange_strong(mine, Owner::parked, std::memory_order_acq_rel)) return;
+    net::post(strand_, [self = shared_from_this()] {
+      self->owner_.store(Owner::strand, std::memory_order_release);
+      self->write();
+    });
+  }
+
+  // The caller's request met a broken connection: the strand takes both and deals with them as
+  // with its own (broken): one that may have run is in flight (resent once as the same holder),
+  // one that never left is queued first.
+  void hand_back(std::unique_ptr<Op> op, bool maybe_ran, IoFailure f) {
+    net::post(strand_, [self = shared_from_this(), op = std::move(op), maybe_ran, f = std::move(f)]() mutable {
+      self->owner_.store(Owner::strand, std::memory_order_release);
+      (maybe_ran ? self->inflight_ : self->queued_).push_front(std::move(op));
+      self->broken(std::move(f));
+    });
+  }
+
+  // An error reply (NOSCRIPT, MOVED, READONLY, the script's own): the machine's decision is the
+  // strand's to carry out (a reload, a reroute, leaving a demoted master, the caller's error).
+  void hand_reply(std::unique_ptr<Op> op, ReplyPtr reply) {
+    net::post(strand_, [self = shared_from_this(), op = std::move(op), reply = std::move(reply)]() mutable {
+      self->owner_.store(Owner::strand, std::memory_order_release);
+      self->deliver(std::move(op), std::move(reply));
+      self->write();
+    });
+  }
+
+  // --- the strand's side of the hand-over ---------------------------------------------------------
+
+  // Before the strand uses a ready connection: true when it has it (a parked one found closed by
+  // the server is dropped instead, as a read would have found it); false when a blocked caller has
+  // it, who then hands it over when done (wanted).
+  bool take() {
+    Owner o = owner_.load(std::memory_order_acquire);
+    for (;;) {
+      switch (o) {
+        case Owner::strand:
+          return true;
+        case Owner::wanted:
+          return false;
+        case Owner::parked:
+          if (!owner_.compare_exchange_weak(o, Owner::strand, std::memory_order_acq_rel)) continue;
+          if (quiet()) return true;
+          broken({fmt::format("connection to Redis at {} was closed by the server while idle", where_), false});
+          return false;
+        case Owner::caller:
+          if (!owner_.compare_exchange_weak(o, Owner::wanted, std::memory_order_acq_rel)) continue;
+          return false;
+      }
+    }
+  }
+
+  // Nothing queued, in flight or being read: the next blocked caller may use the connection.
+  void park() {
+    if (state_ == State::ready && !closed_ && queued_.empty() && inflight_.empty() && !writing_ && !reading_ &&
+        !write_posted_)
+      owner_.store(Owner::parked, std::memory_order_release);
+  }
+
+  void touch() noexcept { last_activity_.store(Clock::now(), std::memory_order_relaxed); }
+  std::string timed_out_text() const {
+    return fmt::format("Redis at {} did not answer within command_timeout ({})", where_, ms(opt_.command_timeout));
+  }
 
   void enqueue(std::unique_ptr<Op> op) {
     if (closed_) {
@@ -118,7 +318,7 @@ private:
     }
     queued_.push_back(std::move(op));
     if (state_ == State::idle) connect();
-    else if (state_ == State::ready) schedule_write();
+    else if (state_ == State::ready && take()) schedule_write();
   }
 
   // With auto-batching, the write waits for the requests already posted to the strand (the other
@@ -196,9 +396,8 @@ private:
     reader_.reset(redisReaderCreate());
     limit_aggregates(reader_.get());
     state_ = State::ready;
-    last_activity_ = Clock::now();
-    write();
-    read();
+    touch();
+    write();  // it reads once it has written, and parks the connection when nothing is queued
     arm_idle_check();
   }
 
@@ -227,7 +426,8 @@ private:
   // one-key steps among them (up to auto_batch per call) go as one `many` call: what queued behind
   // one write in flight.
   void write() {
-    if (state_ != State::ready || writing_ || queued_.empty()) return;
+    if (state_ != State::ready || writing_) return;
+    if (queued_.empty()) return park();
     std::string bytes;
     std::size_t n = 0;
     const auto deadline = Clock::now() + opt_.command_timeout;
@@ -271,13 +471,14 @@ private:
   }
 
   void send_bytes(std::string bytes, std::size_t n) {
-    last_activity_ = Clock::now();
+    touch();
     requests_ += n;
     ++writes_;
     writing_ = true;
     wbuf_ = std::move(bytes);
     wdone_ = 0;
     if (!timer_armed_) arm_timer();
+    if (!reading_) read();
     if (link_.tls) return write_tls(generation_);
     net::async_write(socket_, net::buffer(wbuf_),
                      [self = shared_from_this(), gen = generation_](boost::system::error_code ec, std::size_t) {
@@ -314,11 +515,15 @@ private:
     return s.failure().empty() ? std::string(errno == 0 ? "the server closed it" : std::strerror(errno)) : s.failure();
   }
 
+  // A read waits on the socket only while something is in flight: an idle connection is parked
+  // for a blocked caller, who reads on its own thread.
   void read() {
+    reading_ = true;
     if (link_.tls) {
       socket_.async_wait(net::socket_base::wait_read, [self = shared_from_this(), gen = generation_](
                                                           boost::system::error_code ec) {
         if (gen != self->generation_) return;
+        self->reading_ = false;
         if (ec) return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, ec.message()), false});
         self->read_tls();
       });
@@ -327,14 +532,21 @@ private:
     socket_.async_read_some(net::buffer(rbuf_), [self = shared_from_this(), gen = generation_](
                                                      boost::system::error_code ec, std::size_t n) {
       if (gen != self->generation_) return;
+      self->reading_ = false;
       if (ec) {
         const std::string why = ec == net::error::eof ? "the server closed it" : ec.message();
         return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, why), false});
       }
       if (!self->received(n)) return;
-      self->write();
-      self->read();
+      self->next();
     });
+  }
+
+  // After a read: what queued goes out, the read goes on while anything is in flight, and a
+  // connection with nothing left is parked (write()).
+  void next() {
+    write();
+    if (!inflight_.empty() && !reading_) read();
   }
 
   // TLS: everything the session has decrypted (it may hold more than the socket shows), then wait.
@@ -349,14 +561,13 @@ private:
       return broken({fmt::format("connection to Redis at {} broke: {}", where_, n == 0 ? "the server closed it" : tls_failure()),
                      false});
     }
-    write();
-    read();
+    next();
   }
 
   // Feeds n bytes to the reader and delivers every whole reply; false when that broke the connection.
   bool received(std::size_t n) {
     const auto gen = generation_;
-    last_activity_ = Clock::now();
+    touch();
     if (redisReaderFeed(reader_.get(), rbuf_.data(), n) != REDIS_OK) {
       broken({fmt::format("Redis at {} sent bytes that are not RESP", where_), false});
       return false;
@@ -389,12 +600,10 @@ private:
       if (op->waits) {
         ReplyPtr wait = std::move(reply);
         reply = std::move(op->script_reply);
-        // A coalesced call keeps the WAIT's reply and checks it per member (keeps_wait).
-        if (!op->keeps_wait(wait) && !is_noscript(reply.get()) && !(op->attempt.resent && is_error(reply.get())))
-          if (auto e = check_acks(*op, reply.get(), wait.get())) {
-            op->finish(e, nullptr);
-            continue;
-          }
+        if (auto e = acks_failed(*op, reply, wait)) {
+          op->finish(e, nullptr);
+          continue;
+        }
       }
       deliver(std::move(op), std::move(reply));
       if (gen != generation_) return false;  // the delivery broke the connection (a replica answered)
@@ -441,10 +650,14 @@ private:
   }
 
   // min_replica_acks: a reply that changed a record counts only once enough replicas have it (the
-  // WAIT went in the same write, so it covers this connection's writes up to and including it).
-  std::exception_ptr check_acks(const Op& op, const redisReply* r, const redisReply* wait) const {
+  // WAIT went in the same write, so it covers this connection's writes up to and including it). A
+  // coalesced call keeps the WAIT's reply and checks it per member (keeps_wait); a NOSCRIPT or a
+  // resend's error is the machine's to decide.
+  std::exception_ptr acks_failed(Op& op, const ReplyPtr& reply, ReplyPtr& wait) const {
+    const redisReply* r = reply.get();
+    if (op.keeps_wait(wait) || is_noscript(r) || (op.attempt.resent && is_error(r))) return nullptr;
     if (is_error(r) || !wrote(op.script, r)) return nullptr;  // an error, or nothing a failover could lose
-    return capture([&] { check_wait(wait, op.script, op.describe(), opt_, where_); });
+    return capture([&] { check_wait(wait.get(), op.script, op.describe(), opt_, where_); });
   }
 
   // --- timeouts and failures ----------------------------------------------------------------
@@ -457,13 +670,14 @@ private:
   void arm_idle_check() {
     if (opt_.health_check_interval <= millis{0} || idle_armed_) return;
     idle_armed_ = true;
-    idle_timer_.expires_at(last_activity_ + opt_.health_check_interval);
+    idle_timer_.expires_at(last_activity_.load(std::memory_order_relaxed) + opt_.health_check_interval);
     // A reconnect meanwhile is a connection like any other: its own activity is what counts.
     idle_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
       self->idle_armed_ = false;
       if (ec || self->closed_ || self->state_ != State::ready) return;
       if (!self->inflight_.empty() || !self->queued_.empty() ||
-          Clock::now() < self->last_activity_ + self->opt_.health_check_interval)
+          Clock::now() < self->last_activity_.load(std::memory_order_relaxed) + self->opt_.health_check_interval ||
+          !self->take())  // busy, or a blocked caller has it (or it was found closed: dropped)
         return self->arm_idle_check();
       auto ping = std::make_unique<Internal>();
       ping->internal = true;
@@ -488,9 +702,7 @@ private:
       self->timer_armed_ = false;
       if (self->inflight_.empty()) return;
       if (self->inflight_.front()->deadline <= Clock::now())
-        return self->broken({fmt::format("Redis at {} did not answer within command_timeout ({})", self->where_,
-                                         ms(self->opt_.command_timeout)),
-                             true});
+        return self->broken({self->timed_out_text(), true});
       self->arm_timer();
     });
   }
@@ -531,6 +743,7 @@ private:
     timer_.cancel();
     timer_armed_ = false;
     writing_ = false;
+    reading_ = false;
     reader_.reset();
     link_ = Link{};
   }
@@ -545,11 +758,15 @@ private:
   RedisOptions opt_;
   std::shared_ptr<const Client> factory_;
   std::weak_ptr<Routing> routing_;  // cluster mode: the router (engine.cpp)
+  // Keeps the loop's run() from returning while the store lives, as a pending read did before an
+  // idle connection was parked without one.
+  net::any_io_executor work_;
   net::strand<net::any_io_executor> strand_;
   net::generic::stream_protocol::socket socket_;  // a dup of link_'s socket, for the loop's waits and plain I/O
   net::steady_timer timer_;
   net::steady_timer idle_timer_;
-  Clock::time_point last_activity_{};  // the last write or read: the idle check counts from it
+  std::atomic<Clock::time_point> last_activity_{};  // the last write or read: the idle check counts from it
+  std::atomic<Owner> owner_{Owner::strand};
   bool idle_armed_ = false;
   std::string where_;
   Link link_;  // the connection the factory opened (its TLS session, if any); owns the socket
@@ -559,6 +776,7 @@ private:
   State state_ = State::idle;
   std::uint64_t generation_ = 0;
   bool writing_ = false;
+  bool reading_ = false;  // a read (or TLS's wait to read) is under way on the socket
   bool timer_armed_ = false;
   bool closed_ = false;
   bool write_posted_ = false;
@@ -577,6 +795,7 @@ std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const Redis
   return std::make_shared<Connection>(std::move(ex), o, std::move(factory), std::move(routing));
 }
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
+void call(Connection& c, std::unique_ptr<Op> op) { c.call(std::move(op)); }
 void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.submit(std::move(ops)); }
 void shutdown(Connection& c) { c.shutdown(); }
 AsyncRedisStats stats(const Connection& c) noexcept { return c.stats(); }

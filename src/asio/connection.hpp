@@ -104,6 +104,7 @@ struct Waiter final : Done<T> {
     else
       promise.set_value(std::move(value));
   }
+  bool waits_here() const noexcept override { return true; }
 };
 
 // Submits through `submit(DonePtr<T>)` and waits for the answer (the blocking members).
@@ -146,6 +147,9 @@ std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, con
                                             std::weak_ptr<Routing> routing = {});
 // Queues `op` (any thread); its finish() runs on the connection's strand.
 void submit(Connection& c, std::unique_ptr<Op> op);
+// A blocked caller's `op`: written and read on the calling thread when the connection is idle
+// (finish() runs there), else submitted. Never from the loop's own threads: it may wait on the socket.
+void call(Connection& c, std::unique_ptr<Op> op);
 void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops);
 // Fails every pending request and closes the socket (the store is going away).
 void shutdown(Connection& c);
@@ -162,7 +166,21 @@ std::shared_ptr<Engine> make_engine(boost::asio::any_io_executor ex, const Redis
 void submit(Engine& e, std::unique_ptr<Op> op);
 // Sends every op of `ops` (any thread) in one turn of the loop, so they leave coalesced.
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops);
+// A blocked caller's `op` (call above), to the server or the master of op->slot.
+void call(Engine& e, std::unique_ptr<Op> op);
 void shutdown(Engine& e);
 AsyncRedisStats stats(const Engine& e) noexcept;
+
+
+// Sends the request `make` builds for `done`: on the caller's thread when the caller blocks on the
+// answer (call), through the loop otherwise. Input errors (make throws) complete `done` and send nothing.
+template <class T, class Make>
+void send_checked(Engine& e, DonePtr<T>& done, Make&& make) {
+  const bool here = done->waits_here();
+  std::unique_ptr<Op> op;
+  if (std::exception_ptr x = capture([&] { op = make(); })) return done->complete(x, T{});
+  if (here) return call(e, std::move(op));
+  submit(e, std::move(op));
+}
 
 }  // namespace idem::detail::asio_redis

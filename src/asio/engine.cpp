@@ -37,6 +37,10 @@ public:
     if (single_) return asio_redis::submit(*single_, std::move(op));
     route(std::move(op), nullptr);
   }
+  void call(std::unique_ptr<Op> op) {
+    if (single_) return asio_redis::call(*single_, std::move(op));
+    route(std::move(op), nullptr, true);
+  }
   // Cluster mode: one post per master, so each master's share leaves coalesced (per slot).
   void submit(std::vector<std::unique_ptr<Op>> ops) {
     if (single_) return asio_redis::submit(*single_, std::move(ops));
@@ -114,15 +118,17 @@ private:
     std::shared_ptr<Connection> conn;
   };
 
-  // To the master of op->slot, or to `ask_to` (ASK). A routing failure (no master for the slot, a
-  // node that cannot be reached for the map) is the call's error, in doubt if it was a resend.
-  void route(std::unique_ptr<Op> op, const Endpoint* ask_to) {
+  // To the master of op->slot, or to `ask_to` (ASK); `here`: a blocked caller's (call). A routing
+  // failure (no master for the slot, a node that cannot be reached for the map) is the call's
+  // error, in doubt if it was a resend.
+  void route(std::unique_ptr<Op> op, const Endpoint* ask_to, bool here = false) {
     std::shared_ptr<Connection> conn;
     if (auto e = capture([&] {
           std::shared_ptr<Client> node = ask_to ? client_->cluster_node(*ask_to) : client_->cluster_owner(op->slot);
           conn = connection_to(std::move(node));
         }))
       return fail(std::move(op), e);
+    if (here) return asio_redis::call(*conn, std::move(op));
     asio_redis::submit(*conn, std::move(op));
   }
 
@@ -162,6 +168,7 @@ std::shared_ptr<Engine> make_engine(net::any_io_executor ex, const RedisOptions&
 }
 void submit(Engine& e, std::unique_ptr<Op> op) { e.submit(std::move(op)); }
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.submit(std::move(ops)); }
+void call(Engine& e, std::unique_ptr<Op> op) { e.call(std::move(op)); }
 void shutdown(Engine& e) { e.shutdown(); }
 AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }
 

@@ -113,6 +113,7 @@ namespace idem {
 
 using detail::asio_redis::Engine;
 using detail::asio_redis::request;
+using detail::asio_redis::send_checked;
 using detail::redis::Command;
 using detail::redis::Script;
 
@@ -126,16 +127,6 @@ AsyncRedisStore::AsyncRedisStore(executor_type ex, RedisOptions options)
 AsyncRedisStore::~AsyncRedisStore() { detail::asio_redis::shutdown(*engine_); }
 
 AsyncRedisStats AsyncRedisStore::stats() const noexcept { return detail::asio_redis::stats(*engine_); }
-
-// Input errors complete the call through its handler, as a store error would: the caller's
-// token decides how it sees them (thrown by co_await, passed to a callback).
-template <class T, class Make>
-static void submit_checked(Engine& c, detail::asio_redis::DonePtr<T>& done, Make&& make) {
-  std::unique_ptr<detail::asio_redis::Op> op;
-  std::exception_ptr e = detail::asio_redis::capture([&] { op = make(); });
-  if (e) return done->complete(e, T{});
-  detail::asio_redis::submit(c, std::move(op));
-}
 
 using detail::asio_redis::wait_for;
 
@@ -160,7 +151,7 @@ std::optional<Record> AsyncRedisStore::inspect(std::string_view key) {
 }
 
 void AsyncRedisStore::submit_acquire(std::string_view key, const AcquireParams& p, DonePtr<AcquireResult> done) {
-  submit_checked<AcquireResult>(*engine_, done, [&] {
+  send_checked<AcquireResult>(*engine_, done, [&] {
     Command cmd = detail::redis::acquire_command(options_, key, p);
     return request<AcquireResult>(
         std::move(done),
@@ -171,7 +162,7 @@ void AsyncRedisStore::submit_acquire(std::string_view key, const AcquireParams& 
 
 void AsyncRedisStore::submit_complete(std::string_view key, const Holder& h, std::string_view text, millis retention,
                                       bool unavailable, DonePtr<WriteStatus> done) {
-  submit_checked<WriteStatus>(*engine_, done, [&] {
+  send_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::complete_command(options_, key, h, text, retention, unavailable);
     return request<WriteStatus>(
         std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "complete", k); },
@@ -180,7 +171,7 @@ void AsyncRedisStore::submit_complete(std::string_view key, const Holder& h, std
 }
 
 void AsyncRedisStore::submit_fail(std::string_view key, const Holder& h, const FailParams& f, DonePtr<WriteStatus> done) {
-  submit_checked<WriteStatus>(*engine_, done, [&] {
+  send_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::fail_command(options_, key, h, f);
     return request<WriteStatus>(
         std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "fail", k); },
@@ -189,7 +180,7 @@ void AsyncRedisStore::submit_fail(std::string_view key, const Holder& h, const F
 }
 
 void AsyncRedisStore::submit_extend(std::string_view key, const Holder& h, millis lease, DonePtr<WriteStatus> done) {
-  submit_checked<WriteStatus>(*engine_, done, [&] {
+  send_checked<WriteStatus>(*engine_, done, [&] {
     Command cmd = detail::redis::extend_command(options_, key, h, lease);
     return request<WriteStatus>(
         std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "extend", k); },
@@ -198,7 +189,7 @@ void AsyncRedisStore::submit_extend(std::string_view key, const Holder& h, milli
 }
 
 void AsyncRedisStore::submit_inspect(std::string_view key, DonePtr<std::optional<Record>> done) {
-  submit_checked<std::optional<Record>>(*engine_, done, [&] {
+  send_checked<std::optional<Record>>(*engine_, done, [&] {
     Command cmd = detail::redis::inspect_command(options_, key);
     return request<std::optional<Record>>(
         std::move(done), [](const redisReply* r, std::string_view k) { return detail::redis::parse_inspect(r, k); }, cmd,

@@ -41,14 +41,6 @@ std::unique_ptr<Op> sequence_op(DonePtr<T> done, Parse parse, Command& cmd, Scri
   return op;
 }
 
-// Input errors complete the call through its handler, nothing sent.
-template <class T, class Make>
-void send(Engine& e, DonePtr<T>& done, Make&& make) {
-  std::unique_ptr<Op> op;
-  if (std::exception_ptr x = capture([&] { op = make(); })) return done->complete(x, T{});
-  submit(e, std::move(op));
-}
-
 void check_pair(const AsyncRedisStore& seqs, const AsyncRedisStore& store, std::string_view key, std::string_view entity) {
   if (&seqs != &store)
     throw usage_error("idem: this AsyncRedisSequenceStore and the AsyncRedisStore it completes for are on different "
@@ -62,7 +54,7 @@ void check_pair(const AsyncRedisStore& seqs, const AsyncRedisStore& store, std::
 
 void SequenceRequests::last_applied(AsyncRedisStore& s, std::string_view entity,
                                     std::unique_ptr<Done<std::optional<std::uint64_t>>> done) {
-  send(*s.engine_, done, [&] {
+  send_checked(*s.engine_, done, [&] {
     Command cmd = sequence_key_command("GET", s.options_, entity);
     return sequence_op<std::optional<std::uint64_t>>(
         std::move(done), [e = std::string(entity)](const redisReply* r, std::string_view) { return parse_sequence_get(r, e); },
@@ -73,7 +65,7 @@ void SequenceRequests::last_applied(AsyncRedisStore& s, std::string_view entity,
 
 void SequenceRequests::advance(AsyncRedisStore& s, std::string_view entity, std::uint64_t seq,
                                std::unique_ptr<Done<AdvanceResult>> done) {
-  send(*s.engine_, done, [&] {
+  send_checked(*s.engine_, done, [&] {
     Command cmd = sequence_advance_command(s.options_, entity, seq);
     return sequence_op<AdvanceResult>(
         std::move(done),
@@ -87,7 +79,7 @@ void SequenceRequests::complete_advance(AsyncRedisStore& s, const AsyncRedisStor
                                         const Holder& h, std::string_view result, millis retention,
                                         std::string_view entity, std::uint64_t seq,
                                         std::unique_ptr<Done<CompleteAdvanceResult>> done) {
-  send(*s.engine_, done, [&] {
+  send_checked(*s.engine_, done, [&] {
     Command cmd = complete_advance_command(s.options_, key, h, result, retention, entity, seq);
     check_pair(s, record_store, key, entity);
     return sequence_op<CompleteAdvanceResult>(
@@ -101,7 +93,7 @@ void SequenceRequests::complete_advance(AsyncRedisStore& s, const AsyncRedisStor
 }
 
 void SequenceRequests::erase(AsyncRedisStore& s, std::string_view entity, std::unique_ptr<Done<bool>> done) {
-  send(*s.engine_, done, [&] {
+  send_checked(*s.engine_, done, [&] {
     Command cmd = sequence_key_command("DEL", s.options_, entity);
     return sequence_op<bool>(
         std::move(done), [e = std::string(entity)](const redisReply* r, std::string_view) { return parse_sequence_del(r, e); },

@@ -168,6 +168,64 @@ TEST_CASE("AsyncRedisStore: blocking calls from 16 threads share one connection"
   CHECK(f.store().stats().coalesced > 0);  // auto-batching: threads' steps shared script calls
 }
 
+// A blocked caller that finds the connection idle writes and reads on its own thread: with the
+// loop stopped after the first call (which connects through it), blocking calls still complete.
+TEST_CASE("AsyncRedisStore: a blocked caller on an idle connection writes and reads on its own thread", "[asio]") {
+  idem::test::RedisServer server;
+  asio::io_context io;
+  auto work = asio::make_work_guard(io);
+  std::thread loop([&] { io.run(); });
+  idem::AsyncRedisStore store{io.get_executor(), server.options()};
+  const std::string ns = "here-" + random_hex() + ":";
+  REQUIRE(store.acquire(ns + "first", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  work.reset();
+  io.stop();
+  loop.join();  // nobody runs the loop now
+
+  const auto before = store.stats();
+  for (int i = 0; i < 50; ++i) {
+    const std::string key = ns + std::to_string(i);
+    auto a = store.acquire(key, idem::test::acquire_params(1));
+    REQUIRE(a.status == idem::AcquireStatus::acquired);
+    REQUIRE(store.complete(key, a.holder, "r", 60s) == idem::WriteStatus::ok);
+    auto again = store.acquire(key, idem::test::acquire_params(2));
+    REQUIRE(again.status == idem::AcquireStatus::duplicate);
+    CHECK(again.payload == "r");
+    CHECK(store.inspect(key)->state == idem::State::completed);
+  }
+  const auto after = store.stats();
+  CHECK(after.requests - before.requests == 200);
+  CHECK(after.writes - before.writes == 200);
+  CHECK(after.connects == 1);
+
+  // The loop back: the store's own requests (and its shutdown) run on it again.
+  io.restart();
+  work = asio::make_work_guard(io);
+  loop = std::thread([&] { io.run(); });
+  server.command({"SCRIPT", "FLUSH"});  // NOSCRIPT on the caller's thread: the loop reloads and resends
+  CHECK(store.acquire(ns + "flushed", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  CHECK(store.stats().reloads == 1);
+  CHECK(store.acquire(ns + "next", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  work.reset();
+  loop.join();
+}
+
+// The server restarted while the connection sat idle: the next blocked call finds it closed before
+// writing, so it is sent once on a fresh connection: nothing resent, nothing in doubt.
+TEST_CASE("AsyncRedisStore: a connection closed while idle is replaced before the next blocked call writes", "[asio]") {
+  idem::test::RedisServer server;
+  IoThread io;
+  idem::AsyncRedisStore store{io.io.get_executor(), server.options()};
+  const std::string ns = "closed-" + random_hex() + ":";
+  REQUIRE(store.acquire(ns + "a", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  server.stop(SIGKILL);
+  server.start();
+  CHECK(store.acquire(ns + "b", idem::test::acquire_params(1)).status == idem::AcquireStatus::acquired);
+  const auto st = store.stats();
+  CHECK(st.connects == 2);
+  CHECK(st.resent == 0);
+}
+
 TEST_CASE("AsyncRedisStore: a killed server fails calls closed, then it reconnects by itself", "[asio]") {
   idem::test::RedisServer server;
   IoThread io;

@@ -47,6 +47,8 @@ template <class T>
 struct Done {
   virtual ~Done() = default;
   virtual void complete(std::exception_ptr e, T value) = 0;
+  /// True for a caller blocked on the answer: its request may be written and read on its own thread.
+  [[nodiscard]] virtual bool waits_here() const noexcept { return false; }
 };
 
 template <class T, class Handler>
