@@ -651,12 +651,11 @@ private:
 
   // min_replica_acks: a reply that changed a record counts only once enough replicas have it (the
   // WAIT went in the same write, so it covers this connection's writes up to and including it). A
-  // coalesced call keeps the WAIT's reply and checks it per member (keeps_wait); a NOSCRIPT or a
-  // resend's error is the machine's to decide.
+  // coalesced call keeps the WAIT's reply and checks it per member (keeps_wait); an error reply
+  // (NOSCRIPT, a resend's) is the machine's to decide.
   std::exception_ptr acks_failed(Op& op, const ReplyPtr& reply, ReplyPtr& wait) const {
     const redisReply* r = reply.get();
-    if (op.keeps_wait(wait) || is_noscript(r) || (op.attempt.resent && is_error(r))) return nullptr;
-    if (is_error(r) || !wrote(op.script, r)) return nullptr;  // an error, or nothing a failover could lose
+    if (op.keeps_wait(wait) || is_error(r) || !wrote(op.script, r)) return nullptr;  // nothing a failover could lose
     return capture([&] { check_wait(wait.get(), op.script, op.describe(), opt_, where_); });
   }
 

@@ -98,7 +98,11 @@ using DonePtr = std::unique_ptr<Done<T>>;
 template <class T>
 struct Waiter final : Done<T> {
   std::promise<T> promise;
+  // The store's count of blocked callers not yet answered (send_checked), given back before the
+  // caller wakes, so its next call counts itself alone.
+  std::shared_ptr<std::atomic<int>> blocked;
   void complete(std::exception_ptr e, T value) override {
+    if (blocked) blocked->fetch_sub(1, std::memory_order_relaxed);
     if (e)
       promise.set_exception(e);
     else
@@ -172,14 +176,25 @@ void shutdown(Engine& e);
 AsyncRedisStats stats(const Engine& e) noexcept;
 
 
-// Sends the request `make` builds for `done`: on the caller's thread when the caller blocks on the
-// answer (call), through the loop otherwise. Input errors (make throws) complete `done` and send nothing.
+// The engine's count of blocked callers waiting for an answer (send_checked).
+std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e);
+
+// Sends the request `make` builds for `done`. A blocked caller alone in the store (no other
+// blocked call pending) goes through call(), on its own thread when the connection is idle; with
+// others pending it queues on the loop with them, so their steps leave coalesced rather than one
+// after another behind a caller's own round trip. Input errors (make throws) complete `done` and
+// send nothing.
 template <class T, class Make>
 void send_checked(Engine& e, DonePtr<T>& done, Make&& make) {
-  const bool here = done->waits_here();
+  bool alone = false;
+  if (done->waits_here()) {  // a Waiter: the only Done that waits here
+    auto& w = static_cast<Waiter<T>&>(*done);
+    w.blocked = blocked_callers(e);
+    alone = w.blocked->fetch_add(1, std::memory_order_relaxed) == 0;
+  }
   std::unique_ptr<Op> op;
   if (std::exception_ptr x = capture([&] { op = make(); })) return done->complete(x, T{});
-  if (here) return call(e, std::move(op));
+  if (alone) return call(e, std::move(op));
   submit(e, std::move(op));
 }
 

@@ -9,6 +9,7 @@
 // the io thread for a redirected request), at most every 50 ms.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -112,6 +113,8 @@ public:
 
   void doubt() noexcept override { client_->cluster_doubt(); }
 
+  const std::shared_ptr<std::atomic<int>>& blocked() const noexcept { return blocked_; }
+
 private:
   struct Node {
     std::shared_ptr<Client> client;  // the node's blocking client: its connection factory
@@ -161,6 +164,9 @@ private:
   mutable std::mutex mu_;               // cluster mode: guards nodes_ and closed_
   std::unordered_map<const Client*, Node> nodes_;
   bool closed_ = false;
+  // Shared with each blocked caller's Waiter: a caller still waiting when the store goes away is
+  // answered (in doubt) after the engine is gone.
+  std::shared_ptr<std::atomic<int>> blocked_ = std::make_shared<std::atomic<int>>(0);
 };
 
 std::shared_ptr<Engine> make_engine(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> client) {
@@ -169,6 +175,7 @@ std::shared_ptr<Engine> make_engine(net::any_io_executor ex, const RedisOptions&
 void submit(Engine& e, std::unique_ptr<Op> op) { e.submit(std::move(op)); }
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.submit(std::move(ops)); }
 void call(Engine& e, std::unique_ptr<Op> op) { e.call(std::move(op)); }
+std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e) { return e.blocked(); }
 void shutdown(Engine& e) { e.shutdown(); }
 AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }
 
