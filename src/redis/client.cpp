@@ -504,8 +504,9 @@ RedisClientStats Client::stats() const noexcept {
 
 std::shared_ptr<Client> Client::cluster_owner(int slot) { return cluster_->owner(slot); }
 
-ReplyPtr Client::cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot) {
-  return cluster_->eval(s, req, hints, resend, slot);
+ReplyPtr Client::cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
+                              ReplyPtr first) {
+  return cluster_->eval(s, req, hints, resend, slot, std::move(first));
 }
 
 std::shared_ptr<Client> Client::cluster_node(const Endpoint& at) { return cluster_->node(at); }

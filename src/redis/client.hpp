@@ -151,7 +151,8 @@ public:
   std::atomic<bool> mget_refused{false};
   // Cluster mode: the master that serves `slot` now, and a routed call (Writes uses both).
   std::shared_ptr<Client> cluster_owner(int slot);
-  ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot);
+  ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
+                        ReplyPtr first = nullptr);
   // Cluster mode, for a caller that routes by itself (AsyncRedisStore): the node at `at`, a
   // MOVED or ASK it was answered (MOVED updates the map), a node that failed under it.
   std::shared_ptr<Client> cluster_node(const Endpoint& at);

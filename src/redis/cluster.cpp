@@ -60,10 +60,6 @@ std::optional<Redirect> parse_redirect(std::string_view text, std::string_view f
   return r;
 }
 
-bool is_rerouted(const redisReply* r) {
-  return is_error(r) && (parse_redirect(reply_text(r)) || error_code(reply_text(r)) == "TRYAGAIN");
-}
-
 std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked_host) {
   if (r->type != REDIS_REPLY_ARRAY) bad_slots(asked_host, "not an array");
   std::vector<SlotRange> out;
@@ -228,18 +224,18 @@ std::shared_ptr<Client> Cluster::node_of(int slot) {
 }
 
 template <class Send>
-ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send) {
+ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send, ReplyPtr first) {
   std::optional<Endpoint> ask;
   Attempt a;
   for (;;) {
-    ReplyPtr r;
-    try {
-      std::shared_ptr<Client> node = ask ? node_at(*ask) : node_of(slot);
-      r = send(*node, ask.has_value());
-    } catch (const store_error& e) {
-      if (e.code() != "POOL") suspect();  // a node down or gone: the map may be out of date
-      throw;
-    }
+    ReplyPtr r = std::move(first);
+    if (!r) try {
+        std::shared_ptr<Client> node = ask ? node_at(*ask) : node_of(slot);
+        r = send(*node, ask.has_value());
+      } catch (const store_error& e) {
+        if (e.code() != "POOL") suspect();  // a node down or gone: the map may be out of date
+        throw;
+      }
     if (!is_error(r.get())) return r;
     Decision d = on_redirect(a, r.get(), max_redirects_, what, slot);
     switch (d.next) {
@@ -285,9 +281,11 @@ void Cluster::redirected(const Redirect& to) {
   else moved(to);
 }
 
-ReplyPtr Cluster::eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot) {
-  return routed(slot, script(s).name,
-                [&](Client& node, bool asking) { return node.eval_at(s, req, hints, resend, asking); });
+ReplyPtr Cluster::eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
+                       ReplyPtr first) {
+  return routed(
+      slot, script(s).name, [&](Client& node, bool asking) { return node.eval_at(s, req, hints, resend, asking); },
+      std::move(first));
 }
 
 std::shared_ptr<Client> Cluster::owner(int slot) {
@@ -352,13 +350,13 @@ std::vector<ReplyPtr> Cluster::eval_many(Script s, const Pipeline& p, std::span<
       throw;
     }
   }
-  // A call redirected (its slot moved, or is moving) ran nothing: it is sent again alone.
+  // An error reply goes through the routing's rules: a call redirected (its slot moved, or is
+  // moving) ran nothing and is sent again alone; any other is the caller's.
   for (std::size_t i = 0; i < out.size(); ++i) {
-    const redisReply* r = out[i].get();
-    if (!is_rerouted(r)) continue;
-    if (const auto to = parse_redirect(reply_text(r)); to && !to->ask) moved(*to);
-    out[i] = routed(slots[i], script(s).name,
-                    [&](Client& node, bool asking) { return node.eval_at(s, p[i], hints, resend, asking); });
+    if (!is_error(out[i].get())) continue;
+    out[i] = routed(
+        slots[i], script(s).name,
+        [&](Client& node, bool asking) { return node.eval_at(s, p[i], hints, resend, asking); }, std::move(out[i]));
   }
   return out;
 }

@@ -30,9 +30,6 @@ inline constexpr int slot_count = 16384;
 // (a node that does not know its own address, "MOVED 1 :6380") is `fallback_host`.
 std::optional<Redirect> parse_redirect(std::string_view error_text, std::string_view fallback_host = "127.0.0.1");
 
-// A reply that says the call ran nothing and belongs elsewhere or later: MOVED, ASK or TRYAGAIN.
-bool is_rerouted(const redisReply* r);
-
 // One slot range and its master, from CLUSTER SLOTS.
 struct SlotRange {
   int first = 0;
@@ -51,7 +48,9 @@ public:
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;
 
-  ReplyPtr eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot);
+  // `first`: the reply a sending of `req` already had (a pipeline's), settled by the same rules.
+  ReplyPtr eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
+                ReplyPtr first = nullptr);
   // The client of the master that serves `slot` now (a batch's writes stream to it).
   std::shared_ptr<Client> owner(int slot);
   std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, std::span<const int> slots, const ReplyErrorHints& hints,
@@ -77,9 +76,9 @@ private:
   void refresh();
   void refresh_if_stale();
   // Sends one request to the owner of `slot` through `send(client, asking)` until it is not
-  // redirected, at most max_redirects times.
+  // redirected, at most max_redirects times; with `first`, that reply stands for the first sending.
   template <class Send>
-  ReplyPtr routed(int slot, std::string_view what, const Send& send);
+  ReplyPtr routed(int slot, std::string_view what, const Send& send, ReplyPtr first = nullptr);
   // A MOVED answer: the slot's new master, and the whole map read again soon.
   void moved(const Redirect& to);
   // A node failed under a call: the map may be out of date (a failover), read it again.

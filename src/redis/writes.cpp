@@ -129,10 +129,10 @@ std::vector<ReplyPtr> Writes::finish(const ReplyErrorHints& hints) {
   for (std::size_t i = 0; i < m.sent.size(); ++i) {
     const Impl::Sent& s = m.sent[i];
     if (s.stream != static_cast<std::size_t>(-1)) out[i] = std::move(answers[s.stream][s.index]);
-    // On a cluster, a write redirected (its slot moved or is moving) or never routed ran
-    // nothing: it goes alone through the cluster's routing.
-    if (m.client->clustered() && (!out[i] || is_rerouted(out[i].get())))
-      out[i] = m.client->cluster_eval(s.script, s.request, hints, Resend::same_holder, s.slot);
+    // On a cluster, a write never routed goes alone through the cluster's routing, and an error
+    // reply through its rules (a redirected one ran nothing and is sent again there).
+    if (m.client->clustered() && (!out[i] || is_error(out[i].get())))
+      out[i] = m.client->cluster_eval(s.script, s.request, hints, Resend::same_holder, s.slot, std::move(out[i]));
   }
   return out;
 }
