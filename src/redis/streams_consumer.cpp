@@ -97,14 +97,15 @@ struct StreamsConsumer::Impl {
   explicit Impl(StreamsConsumerOptions o)
       : opt(checked(std::move(o))), client(opt.redis), slot(client.slot_of({opt.stream})) {}
 
-  // One command; an error reply is a store_error naming it (retryable when the server says it is
-  // loading or a replica: a failover in progress).
+  // One command; an error reply is a store_error naming it (retryable when the server is not the
+  // master now, as the reply machine reads it, or a slot is moving: a failover or resharding).
   ReplyPtr call(Command& cmd, const char* what) {
     ReplyPtr r = client.call(cmd.format(), what, slot);
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string t = text(r.get());
-      const bool transient = t.rfind("LOADING", 0) == 0 || t.rfind("READONLY", 0) == 0 || t.rfind("TRYAGAIN", 0) == 0;
-      if (detail::redis::is_not_master(r.get())) client.doubt_master();
+      const bool demoted = detail::redis::is_not_master(r.get());
+      const bool transient = demoted || detail::redis::error_code(t) == "TRYAGAIN";
+      if (demoted) client.doubt_master();
       throw store_error(fmt::format("idem: {} on stream '{}' failed: {}", what, printable(opt.stream), t),
                         t.substr(0, t.find(' ')), transient);
     }
