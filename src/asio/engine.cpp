@@ -1,12 +1,15 @@
 // AsyncRedisStore's engine (connection.hpp): the one connection to a server (plain, TLS,
-// Sentinel), or in cluster mode one connection per master, each request sent to the master of its
+// Sentinel), or in cluster mode one connection per node, each request sent to the master of its
 // key's slot. A request answered MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back
-// here and it goes where the answer says (MOVED also fixes the slot map the blocking client keeps),
-// at most max_redirects times.
+// here and it goes where the answer says (MOVED also fixes the slot map), at most max_redirects
+// times.
 //
-// The slot map is the blocking client's (src/redis/cluster.cpp): reading it again after a MOVED
-// or a broken connection is a blocking CLUSTER SLOTS on the thread that routes next (a caller, or
-// the io thread for a redirected request), at most every 50 ms.
+// The slot map is the store's blocking client's (src/redis/cluster.cpp), read at construction.
+// The engine never blocks on it afterwards: a route looks the slot up as the map is, and when the
+// map is in doubt (a MOVED, a broken connection) the engine reads it again with CLUSTER SLOTS as a
+// request of its own on a node's connection, the nodes asked in turn, at most every 50 ms. Each
+// node's connection is opened through a connection factory of its own, which connects nothing
+// until the connection asks.
 
 #include <algorithm>
 #include <atomic>
@@ -15,6 +18,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <boost/asio/steady_timer.hpp>
 #include <fmt/format.h>
@@ -48,7 +52,7 @@ public:
     std::vector<std::pair<std::shared_ptr<Connection>, std::vector<std::unique_ptr<Op>>>> per_master;
     for (auto& op : ops) {
       std::shared_ptr<Connection> conn;
-      if (auto e = capture([&] { conn = connection_to(client_->cluster_owner(op->slot)); })) {
+      if (auto e = capture([&] { conn = connection_to(map().master_of(op->slot)); })) {
         fail(std::move(op), e);
         continue;
       }
@@ -59,26 +63,27 @@ public:
       }
       it->second.push_back(std::move(op));
     }
+    refresh_if_due();
     for (auto& [conn, share] : per_master) asio_redis::submit(*conn, std::move(share));
   }
 
   void shutdown() {
     if (single_) return asio_redis::shutdown(*single_);
-    std::unordered_map<const Client*, Node> nodes;
+    std::unordered_map<std::string, std::shared_ptr<Connection>> nodes;
     {
       std::lock_guard lk(mu_);
       closed_ = true;
       nodes.swap(nodes_);
     }
-    for (auto& [_, n] : nodes) asio_redis::shutdown(*n.conn);
+    for (auto& [_, conn] : nodes) asio_redis::shutdown(*conn);
   }
 
   AsyncRedisStats stats() const noexcept {
     if (single_) return asio_redis::stats(*single_);
     AsyncRedisStats sum;
     std::lock_guard lk(mu_);
-    for (const auto& [_, n] : nodes_) {
-      const AsyncRedisStats s = asio_redis::stats(*n.conn);
+    for (const auto& [_, conn] : nodes_) {
+      const AsyncRedisStats s = asio_redis::stats(*conn);
       sum.requests += s.requests;
       sum.writes += s.writes;
       sum.connects += s.connects;
@@ -94,7 +99,7 @@ public:
   void reroute(std::unique_ptr<Op> op, const Decision& d) override {
     op->asking = d.next == Next::ask;  // ASK: this sending only, to the node importing the slot
     if (d.next != Next::later) {
-      client_->cluster_redirected(d.to);
+      map().redirected(d.to);
       return route(std::move(op), op->asking ? &d.to.to : nullptr);
     }
     // TRYAGAIN: a slot in migration holds some of a coalesced call's keys and not the others.
@@ -111,40 +116,67 @@ public:
     });
   }
 
-  void doubt() noexcept override { client_->cluster_doubt(); }
+  void doubt() noexcept override { map().doubt(); }
 
   const std::shared_ptr<std::atomic<int>>& blocked() const noexcept { return blocked_; }
 
 private:
-  struct Node {
-    std::shared_ptr<Client> client;  // the node's blocking client: its connection factory
-    std::shared_ptr<Connection> conn;
+  // CLUSTER SLOTS asked of nodes[at]; its answer installs the map, anything else asks the next node.
+  struct SlotsRequest final : Op {
+    SlotsRequest(std::weak_ptr<Engine> e, std::vector<Endpoint> n, std::size_t i)
+        : engine(std::move(e)), nodes(std::move(n)), at(i) {
+      bytes = "*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n";
+      label = fmt::format("CLUSTER SLOTS of {}", redis::describe(nodes[at]));
+      same_holder = false;  // a read: a lost reply is asked of the next node instead
+    }
+    void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
+      auto self = engine.lock();
+      if (!self) return;
+      std::vector<SlotRange> ranges;
+      if (!e && !is_error(reply.get())) e = capture([&] { ranges = parse_slots(reply.get(), nodes[at].host); });
+      if (!e && !is_error(reply.get()) && !ranges.empty()) return self->map().install(ranges);
+      self->ask_slots(std::move(nodes), at + 1);
+    }
+    std::weak_ptr<Engine> engine;
+    std::vector<Endpoint> nodes;
+    std::size_t at;
   };
 
+  Cluster& map() noexcept { return client_->cluster(); }
+
   // To the master of op->slot, or to `ask_to` (ASK); `here`: a blocked caller's (call). A routing
-  // failure (no master for the slot, a node that cannot be reached for the map) is the call's
-  // error, in doubt if it was a resend.
+  // failure (no master for the slot in the map, the store being destroyed) is the call's error,
+  // in doubt if it was a resend.
   void route(std::unique_ptr<Op> op, const Endpoint* ask_to, bool here = false) {
     std::shared_ptr<Connection> conn;
-    if (auto e = capture([&] {
-          std::shared_ptr<Client> node = ask_to ? client_->cluster_node(*ask_to) : client_->cluster_owner(op->slot);
-          conn = connection_to(std::move(node));
-        }))
+    if (auto e = capture([&] { conn = connection_to(ask_to ? *ask_to : map().master_of(op->slot)); }))
       return fail(std::move(op), e);
+    refresh_if_due();
     if (here) return asio_redis::call(*conn, std::move(op));
     asio_redis::submit(*conn, std::move(op));
   }
 
-  std::shared_ptr<Connection> connection_to(std::shared_ptr<Client> node) {
+  // The node's connection, made on first use; its factory connects nothing until it is asked to.
+  std::shared_ptr<Connection> connection_to(const Endpoint& at) {
+    std::string name = describe(at);
     std::lock_guard lk(mu_);
     if (closed_) throw usage_error("idem: this AsyncRedisStore is being destroyed");
-    const Client* id = node.get();
-    auto it = nodes_.find(id);
+    auto it = nodes_.find(name);
     if (it == nodes_.end()) {
-      auto conn = make_connection(ex_, opt_, node, weak_from_this());
-      it = nodes_.emplace(id, Node{std::move(node), std::move(conn)}).first;
+      auto factory = std::make_shared<const Client>(map().node_options(at), Client::FactoryOnly{});
+      it = nodes_.emplace(std::move(name), make_connection(ex_, opt_, std::move(factory), weak_from_this())).first;
     }
-    return it->second.conn;
+    return it->second;
+  }
+
+  void refresh_if_due() {
+    if (std::vector<Endpoint> nodes = map().begin_refresh(); !nodes.empty()) ask_slots(std::move(nodes), 0);
+  }
+
+  void ask_slots(std::vector<Endpoint> nodes, std::size_t at) {
+    std::shared_ptr<Connection> conn;
+    if (at >= nodes.size() || capture([&] { conn = connection_to(nodes[at]); })) return map().refresh_failed();
+    asio_redis::submit(*conn, std::make_unique<SlotsRequest>(weak_from_this(), std::move(nodes), at));
   }
 
   static void fail(std::unique_ptr<Op> op, const std::exception_ptr& e) {
@@ -162,7 +194,7 @@ private:
   std::shared_ptr<Client> client_;      // the factory, and in cluster mode the slot map
   std::shared_ptr<Connection> single_;  // not in cluster mode: the one connection
   mutable std::mutex mu_;               // cluster mode: guards nodes_ and closed_
-  std::unordered_map<const Client*, Node> nodes_;
+  std::unordered_map<std::string, std::shared_ptr<Connection>> nodes_;  // by "host:port"
   bool closed_ = false;
   // Shared with each blocked caller's Waiter: a caller still waiting when the store goes away is
   // answered (in doubt) after the engine is gone.

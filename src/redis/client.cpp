@@ -509,11 +509,6 @@ ReplyPtr Client::cluster_eval(Script s, std::string_view req, const ReplyErrorHi
   return cluster_->eval(s, req, hints, resend, slot, std::move(first));
 }
 
-std::shared_ptr<Client> Client::cluster_node(const Endpoint& at) { return cluster_->node(at); }
-void Client::cluster_redirected(const Redirect& to) { cluster_->redirected(to); }
-void Client::cluster_doubt() noexcept {
-  if (cluster_) cluster_->doubt();
-}
 
 int Client::slot_of(std::initializer_list<std::string_view> parts) const {
   if (!cluster_) return -1;

@@ -153,11 +153,8 @@ public:
   std::shared_ptr<Client> cluster_owner(int slot);
   ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
                         ReplyPtr first = nullptr);
-  // Cluster mode, for a caller that routes by itself (AsyncRedisStore): the node at `at`, a
-  // MOVED or ASK it was answered (MOVED updates the map), a node that failed under it.
-  std::shared_ptr<Client> cluster_node(const Endpoint& at);
-  void cluster_redirected(const Redirect& to);
-  void cluster_doubt() noexcept;
+  // Cluster mode: the slot map and its routing, for a caller that routes by itself (AsyncRedisStore).
+  Cluster& cluster() noexcept { return *cluster_; }
 
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);

@@ -110,21 +110,24 @@ Cluster::Cluster(const RedisOptions& o)
   for (const Endpoint& m : masters) (void)node_at(m);  // every master reachable, its scripts loaded
 }
 
-void Cluster::refresh() {
-  stale_.store(false);  // before asking: a failure meanwhile marks it again
-  std::vector<Endpoint> candidates;
+std::vector<Endpoint> Cluster::candidates() const {
+  std::vector<Endpoint> out;
   {
     std::lock_guard lock(mu_);
-    candidates = masters_;
+    out = masters_;
   }
-  candidates.insert(candidates.end(), seeds_.begin(), seeds_.end());
+  for (const Endpoint& s : seeds_)  // a seed that is a known master is asked once
+    if (std::none_of(out.begin(), out.end(), [&](const Endpoint& m) { return m.host == s.host && m.port == s.port; }))
+      out.push_back(s);
+  return out;
+}
+
+void Cluster::refresh() {
+  stale_.store(false);  // before asking: a failure meanwhile marks it again
   std::string why;
-  std::vector<std::string> asked;
   const Request ask = Command().arg("CLUSTER").arg("SLOTS").format();
-  for (const Endpoint& at : candidates) {
+  for (const Endpoint& at : candidates()) {
     const std::string name = describe(at);
-    if (std::find(asked.begin(), asked.end(), name) != asked.end()) continue;  // a seed that is a known master
-    asked.push_back(name);
     try {
       ReplyPtr r = node_at(at)->call(ask, "to CLUSTER SLOTS", -1);
       if (is_error(r.get())) {
@@ -136,23 +139,7 @@ void Cluster::refresh() {
         fmt::format_to(std::back_inserter(why), "; {}: no slot assigned", name);
         continue;
       }
-      std::array<std::int16_t, slot_count> owner;
-      owner.fill(-1);
-      std::vector<Endpoint> masters;
-      for (const SlotRange& range : ranges) {
-        auto it = std::find_if(masters.begin(), masters.end(), [&](const Endpoint& m) {
-          return m.host == range.master.host && m.port == range.master.port;
-        });
-        if (it == masters.end()) it = masters.insert(masters.end(), range.master);
-        std::fill(owner.begin() + range.first, owner.begin() + range.last + 1,
-                  static_cast<std::int16_t>(it - masters.begin()));
-      }
-      std::lock_guard lock(mu_);
-      owner_ = owner;
-      masters_ = std::move(masters);
-      master_clients_.assign(masters_.size(), nullptr);
-      last_refresh_ = std::chrono::steady_clock::now();
-      refreshes_.fetch_add(1);
+      install(ranges);
       return;
     } catch (const error& e) {
       fmt::format_to(std::back_inserter(why), "; {}: {}", name, e.what());
@@ -164,6 +151,53 @@ void Cluster::refresh() {
                   "later",
                   why),
       "CLUSTER", true);
+}
+
+void Cluster::install(const std::vector<SlotRange>& ranges) {
+  std::array<std::int16_t, slot_count> owner;
+  owner.fill(-1);
+  std::vector<Endpoint> masters;
+  for (const SlotRange& range : ranges) {
+    auto it = std::find_if(masters.begin(), masters.end(), [&](const Endpoint& m) {
+      return m.host == range.master.host && m.port == range.master.port;
+    });
+    if (it == masters.end()) it = masters.insert(masters.end(), range.master);
+    std::fill(owner.begin() + range.first, owner.begin() + range.last + 1,
+              static_cast<std::int16_t>(it - masters.begin()));
+  }
+  std::lock_guard lock(mu_);
+  owner_ = owner;
+  masters_ = std::move(masters);
+  master_clients_.assign(masters_.size(), nullptr);
+  last_refresh_ = std::chrono::steady_clock::now();
+  refreshing_ = false;
+  refreshes_.fetch_add(1);
+}
+
+std::vector<Endpoint> Cluster::begin_refresh() {
+  if (!stale_.load()) return {};
+  {
+    std::lock_guard lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    if (refreshing_ || now - last_begun_ < std::chrono::milliseconds(50)) return {};
+    refreshing_ = true;
+    last_begun_ = now;
+  }
+  stale_.store(false);  // before asking: a failure meanwhile marks it again
+  return candidates();
+}
+
+void Cluster::refresh_failed() noexcept {
+  std::lock_guard lock(mu_);
+  refreshing_ = false;
+  stale_.store(true);
+}
+
+RedisOptions Cluster::node_options(const Endpoint& at) const {
+  RedisOptions o = node_options_;
+  o.host = at.host;
+  o.port = at.port;
+  return o;
 }
 
 void Cluster::refresh_if_stale() {
@@ -186,17 +220,34 @@ std::shared_ptr<Client> Cluster::node_at(const Endpoint& at) {
     if (auto it = nodes_.find(name); it != nodes_.end()) return it->second;
   }
   // Built outside the lock: it connects and loads the scripts (a dead node takes connect_timeout).
-  RedisOptions o = node_options_;
-  o.host = at.host;
-  o.port = at.port;
-  auto node = std::make_shared<Client>(std::move(o));
+  auto node = std::make_shared<Client>(node_options(at));
   std::lock_guard lock(mu_);
   return nodes_.try_emplace(name, std::move(node)).first->second;
 }
 
+namespace {
+[[noreturn]] void throw_no_master(int slot) {
+  throw store_error(
+      fmt::format("idem: no master serves slot {} in the Redis Cluster's map (a failover under way?); retry later", slot),
+      "CLUSTERDOWN", true);
+}
+void check_slot(int slot) {
+  if (slot < 0 || slot >= slot_count) throw usage_error("idem: internal: a Redis Cluster call without its key's slot");
+}
+}  // namespace
+
+Endpoint Cluster::master_of(int slot) {
+  check_slot(slot);
+  {
+    std::lock_guard lock(mu_);
+    if (const int i = owner_[static_cast<std::size_t>(slot)]; i >= 0) return masters_[static_cast<std::size_t>(i)];
+  }
+  suspect();
+  throw_no_master(slot);
+}
+
 std::shared_ptr<Client> Cluster::node_of(int slot) {
-  if (slot < 0 || slot >= slot_count)
-    throw usage_error("idem: internal: a Redis Cluster call without its key's slot");
+  check_slot(slot);
   refresh_if_stale();
   Endpoint at;
   int i;
@@ -211,10 +262,7 @@ std::shared_ptr<Client> Cluster::node_of(int slot) {
   }
   if (i < 0) {
     suspect();
-    throw store_error(
-        fmt::format("idem: no master serves slot {} in the Redis Cluster's map (a failover under way?); retry later",
-                    slot),
-        "CLUSTERDOWN", true);
+    throw_no_master(slot);
   }
   std::shared_ptr<Client> c = node_at(at);
   std::lock_guard lock(mu_);

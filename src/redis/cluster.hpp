@@ -58,11 +58,20 @@ public:
   ReplyPtr call(const Request& req, const char* during, int slot);
   // The settings of every master, the least safe first (what RedisStore checks at construction).
   ServerConfig server_config();
-  // For a caller that routes by itself (AsyncRedisStore): the node at `at` (an ASK target), a
-  // redirection heard (MOVED updates the map), and a node that failed under a call.
-  std::shared_ptr<Client> node(const Endpoint& at) { return node_at(at); }
+  // For a router that does its own I/O (AsyncRedisStore's engine): the master of `slot` in the
+  // map as it is (CLUSTERDOWN store_error when there is none; the map is never read again here),
+  // a redirection heard (MOVED updates the map), a node that failed under a call, and the options
+  // of a connection to the node at `at`.
+  Endpoint master_of(int slot);
   void redirected(const Redirect& to);
   void doubt() noexcept { suspect(); }
+  [[nodiscard]] RedisOptions node_options(const Endpoint& at) const;
+  // Such a router reads the map itself: when the map is in doubt and no reading is under way or
+  // was begun in the last 50 ms, begin_refresh() gives the nodes to ask CLUSTER SLOTS, in turn
+  // (the known masters, then the seeds), and the caller owes install() or refresh_failed().
+  [[nodiscard]] std::vector<Endpoint> begin_refresh();
+  void install(const std::vector<SlotRange>& ranges);
+  void refresh_failed() noexcept;
   // The masters of the current map, "host:port,host:port,...".
   [[nodiscard]] std::string masters() const;
   void add_stats(RedisClientStats& s) const noexcept;
@@ -74,6 +83,8 @@ private:
   std::shared_ptr<Client> node_at(const Endpoint& at);
   // Reads CLUSTER SLOTS from a known master, else a seed; throws when none answers.
   void refresh();
+  // The nodes to ask for the map: the known masters, then the seeds not among them.
+  std::vector<Endpoint> candidates() const;
   void refresh_if_stale();
   // Sends one request to the owner of `slot` through `send(client, asking)` until it is not
   // redirected, at most max_redirects times; with `first`, that reply stands for the first sending.
@@ -95,6 +106,8 @@ private:
   std::vector<std::shared_ptr<Client>> master_clients_;  // by index into masters_, filled on first use
   std::unordered_map<std::string, std::shared_ptr<Client>> nodes_;  // by describe(endpoint)
   std::chrono::steady_clock::time_point last_refresh_{};
+  std::chrono::steady_clock::time_point last_begun_{};  // begin_refresh's last reading
+  bool refreshing_ = false;                              // begin_refresh's reading under way
 
   std::atomic<bool> stale_{false};
   std::atomic<std::uint64_t> refreshes_{0}, moved_{0}, ask_{0}, tryagain_{0};
