@@ -1,0 +1,176 @@
+// AsyncRedisStore's connection (connection_impl.hpp), the hand-over: a blocked caller that finds
+// the connection idle writes its request and reads the reply on its own thread (call), so one
+// request in flight costs no hop to the loop and back. The connection passes between the strand
+// and such a caller through one atomic (Owner): the strand parks it when nothing is queued, in
+// flight or being read, a caller claims a parked one, and the strand takes it back before it
+// writes again; a caller whose request goes wrong hands it back with the request.
+
+#include "connection_impl.hpp"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+
+#include <boost/asio/post.hpp>
+#include <fmt/format.h>
+
+#include "tls.hpp"
+
+namespace idem::detail::asio_redis {
+
+namespace {
+// Waits until `fd` is ready for `events` (or has an error to report); false at the deadline.
+bool wait_fd(int fd, short events, Clock::time_point deadline) noexcept {
+  for (;;) {
+    const auto left = std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) return false;
+    pollfd p{fd, events, 0};
+    const int rc = ::poll(&p, 1, static_cast<int>(std::min<long long>(left, INT_MAX)));
+    if (rc > 0 || (rc < 0 && errno != EINTR)) return true;  // the I/O call that follows says what it is
+  }
+}
+}  // namespace
+
+void Connection::call(std::unique_ptr<Op> op) {
+  Owner parked = Owner::parked;
+  if (!owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel)) return submit(std::move(op));
+  run_here(std::move(op));
+}
+
+void Connection::run_here(std::unique_ptr<Op> op) {
+  if (!quiet())
+    return hand_back(std::move(op), false,
+                     {fmt::format("connection to Redis at {} was closed by the server while idle", where_), false});
+  touch();
+  ++requests_;
+  ++writes_;
+  op->deadline = Clock::now() + opt_.command_timeout;
+  IoFailure f;
+  const std::size_t sent = send_here(op->bytes, op->deadline, f);
+  if (sent < op->bytes.size()) return hand_back(std::move(op), sent > 0, std::move(f));
+  ReplyPtr reply = read_here(op->deadline, f);
+  ReplyPtr wait;
+  if (reply && op->waits) wait = read_here(op->deadline, f);
+  if (!reply || (op->waits && !wait)) return hand_back(std::move(op), true, std::move(f));
+  touch();
+  if (op->waits)
+    if (auto e = acks_failed(*op, reply, wait)) {
+      release();
+      return op->finish(e, nullptr);
+    }
+  if (is_error(reply.get())) return hand_reply(std::move(op), std::move(reply));
+  release();
+  op->finish(nullptr, std::move(reply));
+}
+
+bool Connection::quiet() noexcept {
+  const bool idle = link_.idle();
+  if (link_.tls) link_.tls->nonblocking_ = true;  // idle() leaves the session blocking
+  return idle;
+}
+
+std::size_t Connection::send_here(std::string_view data, Clock::time_point deadline, IoFailure& f) {
+  std::size_t done = 0;
+  for (;;) {
+    done += link_.write(data.substr(done));
+    if (done == data.size()) return done;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      f = {fmt::format("connection to Redis at {} broke while sending: {}", where_,
+                       link_.tls ? tls_failure() : std::string(std::strerror(errno))),
+           false};
+      return done;
+    }
+    if (!wait_fd(link_->fd, POLLOUT, deadline)) {
+      f = {timed_out_text(), true};
+      return done;
+    }
+  }
+}
+
+ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
+  for (;;) {
+    void* raw = nullptr;
+    if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK) {
+      f = {fmt::format("Redis at {} sent a reply that is not RESP: {}", where_, reader_error(reader_->err, reader_->errstr)),
+           false};
+      return nullptr;
+    }
+    if (raw != nullptr) return ReplyPtr(static_cast<redisReply*>(raw));
+    const long n = link_.tls ? link_.tls->read(rbuf_.data(), rbuf_.size())
+                             : static_cast<long>(::recv(link_->fd, rbuf_.data(), rbuf_.size(), 0));
+    if (n > 0) {
+      if (redisReaderFeed(reader_.get(), rbuf_.data(), static_cast<std::size_t>(n)) != REDIS_OK) {
+        f = {fmt::format("Redis at {} sent bytes that are not RESP", where_), false};
+        return nullptr;
+      }
+      continue;
+    }
+    if (n < 0 && errno == EINTR && !link_.tls) continue;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) || (link_.tls && link_.tls->refused())) {
+      const std::string why = n == 0 ? "the server closed it" : link_.tls ? tls_failure() : std::strerror(errno);
+      f = {fmt::format("connection to Redis at {} broke: {}", where_, why), false};
+      return nullptr;
+    }
+    if (!wait_fd(link_->fd, POLLIN, deadline)) {
+      f = {timed_out_text(), true};
+      return nullptr;
+    }
+  }
+}
+
+void Connection::release() {
+  Owner mine = Owner::caller;
+  if (owner_.compare_exchange_strong(mine, Owner::parked, std::memory_order_acq_rel)) return;
+  net::post(strand_, [self = shared_from_this()] {
+    self->owner_.store(Owner::strand, std::memory_order_release);
+    self->write();
+  });
+}
+
+void Connection::hand_back(std::unique_ptr<Op> op, bool maybe_ran, IoFailure f) {
+  net::post(strand_, [self = shared_from_this(), op = std::move(op), maybe_ran, f = std::move(f)]() mutable {
+    self->owner_.store(Owner::strand, std::memory_order_release);
+    (maybe_ran ? self->inflight_ : self->queued_).push_front(std::move(op));
+    self->broken(std::move(f));
+  });
+}
+
+void Connection::hand_reply(std::unique_ptr<Op> op, ReplyPtr reply) {
+  net::post(strand_, [self = shared_from_this(), op = std::move(op), reply = std::move(reply)]() mutable {
+    self->owner_.store(Owner::strand, std::memory_order_release);
+    self->deliver(std::move(op), std::move(reply));
+    self->write();
+  });
+}
+
+bool Connection::take() {
+  Owner o = owner_.load(std::memory_order_acquire);
+  for (;;) {
+    switch (o) {
+      case Owner::strand:
+        return true;
+      case Owner::wanted:
+        return false;
+      case Owner::parked:
+        if (!owner_.compare_exchange_weak(o, Owner::strand, std::memory_order_acq_rel)) continue;
+        if (quiet()) return true;
+        broken({fmt::format("connection to Redis at {} was closed by the server while idle", where_), false});
+        return false;
+      case Owner::caller:
+        if (!owner_.compare_exchange_weak(o, Owner::wanted, std::memory_order_acq_rel)) continue;
+        return false;
+    }
+  }
+}
+
+void Connection::park() {
+  if (state_ == State::ready && !closed_ && queued_.empty() && inflight_.empty() && !writing_ && !reading_ &&
+      !write_posted_)
+    owner_.store(Owner::parked, std::memory_order_release);
+}
+
+}  // namespace idem::detail::asio_redis
