@@ -132,10 +132,10 @@ private:
     void finish(std::exception_ptr e, ReplyPtr reply) noexcept override {
       auto self = engine.lock();
       if (!self) return;
-      std::vector<SlotRange> ranges;
-      if (!e && !is_error(reply.get())) e = capture([&] { ranges = parse_slots(reply.get(), nodes[at].host); });
-      if (!e && !is_error(reply.get()) && !ranges.empty()) return self->map().install(ranges);
-      self->ask_slots(std::move(nodes), at + 1);
+      bool installed = false;
+      std::string why;  // the blocking reading's message material; a failed reading here is silent
+      if (!e) (void)capture([&] { installed = self->map().accept_slots(nodes[at], reply.get(), why); });
+      if (!installed) self->ask_slots(std::move(nodes), at + 1);
     }
     std::weak_ptr<Engine> engine;
     std::vector<Endpoint> nodes;

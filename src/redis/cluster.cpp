@@ -93,7 +93,7 @@ Cluster::Cluster(const RedisOptions& o)
   node_options_.url.clear();
   node_options_.unix_socket.clear();
   owner_.fill(-1);
-  refresh();
+  read_map(candidates());
   std::vector<Endpoint> masters;
   int uncovered = 0, first_uncovered = -1;
   {
@@ -122,35 +122,35 @@ std::vector<Endpoint> Cluster::candidates() const {
   return out;
 }
 
-void Cluster::refresh() {
-  stale_.store(false);  // before asking: a failure meanwhile marks it again
+void Cluster::read_map(const std::vector<Endpoint>& nodes) {
   std::string why;
   const Request ask = Command().arg("CLUSTER").arg("SLOTS").format();
-  for (const Endpoint& at : candidates()) {
-    const std::string name = describe(at);
+  for (const Endpoint& at : nodes) {
     try {
-      ReplyPtr r = node_at(at)->call(ask, "to CLUSTER SLOTS", -1);
-      if (is_error(r.get())) {
-        fmt::format_to(std::back_inserter(why), "; {}: {}", name, reply_text(r.get()));
-        continue;
-      }
-      std::vector<SlotRange> ranges = parse_slots(r.get(), at.host);
-      if (ranges.empty()) {
-        fmt::format_to(std::back_inserter(why), "; {}: no slot assigned", name);
-        continue;
-      }
-      install(ranges);
-      return;
+      if (accept_slots(at, node_at(at)->call(ask, "to CLUSTER SLOTS", -1).get(), why)) return;
     } catch (const error& e) {
-      fmt::format_to(std::back_inserter(why), "; {}: {}", name, e.what());
+      fmt::format_to(std::back_inserter(why), "; {}: {}", describe(at), e.what());
     }
   }
-  stale_.store(true);
   throw connection_error(
       fmt::format("idem: no Redis Cluster node answered CLUSTER SLOTS{}; are the nodes in cluster_nodes running? retry "
                   "later",
                   why),
       "CLUSTER", true);
+}
+
+bool Cluster::accept_slots(const Endpoint& at, const redisReply* r, std::string& why) {
+  if (is_error(r)) {
+    fmt::format_to(std::back_inserter(why), "; {}: {}", describe(at), reply_text(r));
+    return false;
+  }
+  const std::vector<SlotRange> ranges = parse_slots(r, at.host);
+  if (ranges.empty()) {
+    fmt::format_to(std::back_inserter(why), "; {}: no slot assigned", describe(at));
+    return false;
+  }
+  install(ranges);
+  return true;
 }
 
 void Cluster::install(const std::vector<SlotRange>& ranges) {
@@ -169,7 +169,6 @@ void Cluster::install(const std::vector<SlotRange>& ranges) {
   owner_ = owner;
   masters_ = std::move(masters);
   master_clients_.assign(masters_.size(), nullptr);
-  last_refresh_ = std::chrono::steady_clock::now();
   refreshing_ = false;
   refreshes_.fetch_add(1);
 }
@@ -201,16 +200,16 @@ RedisOptions Cluster::node_options(const Endpoint& at) const {
 }
 
 void Cluster::refresh_if_stale() {
-  if (!stale_.load()) return;
   // One thread reads the map; the others go on with the one they have (a MOVED already fixed the
   // slot that sent them here).
-  std::unique_lock busy(refresh_mu_, std::try_to_lock);
-  if (!busy) return;
-  {
-    std::lock_guard lock(mu_);
-    if (std::chrono::steady_clock::now() - last_refresh_ < std::chrono::milliseconds(50)) return;
+  const std::vector<Endpoint> nodes = begin_refresh();
+  if (nodes.empty()) return;
+  try {
+    read_map(nodes);
+  } catch (...) {
+    refresh_failed();
+    throw;
   }
-  refresh();
 }
 
 std::shared_ptr<Client> Cluster::node_at(const Endpoint& at) {

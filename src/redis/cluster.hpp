@@ -66,11 +66,13 @@ public:
   void redirected(const Redirect& to);
   void doubt() noexcept { suspect(); }
   [[nodiscard]] RedisOptions node_options(const Endpoint& at) const;
-  // Such a router reads the map itself: when the map is in doubt and no reading is under way or
-  // was begun in the last 50 ms, begin_refresh() gives the nodes to ask CLUSTER SLOTS, in turn
-  // (the known masters, then the seeds), and the caller owes install() or refresh_failed().
+  // Reading the map again (this class's own blocking reading and such a router's): when the map
+  // is in doubt and no reading is under way or was begun in the last 50 ms, begin_refresh() gives
+  // the nodes to ask CLUSTER SLOTS, in turn (the known masters, then the seeds); each answer goes to
+  // accept_slots() (true: installed; else why not, appended to `why`; store_error on a reply of
+  // another shape), and when no node answered, refresh_failed().
   [[nodiscard]] std::vector<Endpoint> begin_refresh();
-  void install(const std::vector<SlotRange>& ranges);
+  bool accept_slots(const Endpoint& at, const redisReply* r, std::string& why);
   void refresh_failed() noexcept;
   // The masters of the current map, "host:port,host:port,...".
   [[nodiscard]] std::string masters() const;
@@ -81,8 +83,9 @@ private:
   std::shared_ptr<Client> node_of(int slot);
   // The client for the node at `at`, built on first use.
   std::shared_ptr<Client> node_at(const Endpoint& at);
-  // Reads CLUSTER SLOTS from a known master, else a seed; throws when none answers.
-  void refresh();
+  // Asks `nodes` in turn for CLUSTER SLOTS and installs the first answer; throws when none answers.
+  void read_map(const std::vector<Endpoint>& nodes);
+  void install(const std::vector<SlotRange>& ranges);
   // The nodes to ask for the map: the known masters, then the seeds not among them.
   std::vector<Endpoint> candidates() const;
   void refresh_if_stale();
@@ -99,13 +102,11 @@ private:
   std::vector<Endpoint> seeds_;
   int max_redirects_;
 
-  std::mutex refresh_mu_;  // one thread reads the map at a time
   mutable std::mutex mu_;                                     // guards everything below but the atomics
   std::array<std::int16_t, slot_count> owner_{};              // index into masters_; -1 = no master
   std::vector<Endpoint> masters_;
   std::vector<std::shared_ptr<Client>> master_clients_;  // by index into masters_, filled on first use
   std::unordered_map<std::string, std::shared_ptr<Client>> nodes_;  // by describe(endpoint)
-  std::chrono::steady_clock::time_point last_refresh_{};
   std::chrono::steady_clock::time_point last_begun_{};  // begin_refresh's last reading
   bool refreshing_ = false;                              // begin_refresh's reading under way
 
