@@ -313,11 +313,14 @@ void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorH
 
 void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,
                 const std::string& where) {
-  const std::string effect =
-      s == Script::acquire || s == Script::acquire_batch || s == Script::acquire_each
-          ? "; the handler did not run: redeliver later (the key frees itself after the lease)"
-          : "; the write stands on the primary and is reported so the message is not acked: its redelivery finds it "
-            "(or, if a failover lost it, runs again after the lease)";
+  const char* acquired = "the handler did not run: redeliver later (the key frees itself after the lease)";
+  const char* written =
+      "the write stands on the primary and is reported so the message is not acked: its redelivery finds it (or, if "
+      "a failover lost it, runs again after the lease)";
+  const std::string effect = s == Script::acquire ? fmt::format("; {}", acquired)
+                             : s == Script::many  // a batch: its acquires, or its writes
+                                 ? fmt::format("; for an acquire, {}; for a write, {}", acquired, written)
+                                 : fmt::format("; {}", written);
   if (is_error(wait))
     throw store_error(fmt::format("idem: Redis refused WAIT after {}: {}; min_replica_acks needs WAIT on a primary "
                                   "(the ACL user needs +wait){}",

@@ -31,11 +31,8 @@ constexpr std::array<std::pair<std::string_view, std::string_view>, script_count
     {"fail", redis_lua::fail},
     {"extend", redis_lua::extend},
     {"inspect", redis_lua::inspect},
-    {"acquire_batch", redis_lua::acquire_batch},
-    {"complete_batch", redis_lua::complete_batch},
     {"sequence_advance", redis_lua::sequence_advance},
     {"complete_advance", redis_lua::complete_advance},
-    {"acquire_each", redis_lua::acquire_each},
     {"many", redis_lua::many},
 }};
 
@@ -78,10 +75,7 @@ bool wrote(Script s, const redisReply* r) {
     case Script::complete:
     case Script::fail:
     case Script::extend: return is_one(r);
-    case Script::acquire_batch:
-    case Script::acquire_each: return any_element(r, acquired);
-    case Script::complete_batch: return any_element(r, is_one);
-    case Script::many: return any_element(r, [](const redisReply* e) { return is_one(e) || first_is_one(e); });
+    case Script::many: return any_element(r, acquired);  // an acquire's 1 or {1, ...}, a write's 1
     case Script::inspect: return false;
   }
   return true;  // not reached; a script not listed is taken as a write

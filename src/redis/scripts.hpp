@@ -14,14 +14,11 @@ enum class Script : std::size_t {
   fail,
   extend,
   inspect,
-  acquire_batch,
-  complete_batch,
   sequence_advance,
   complete_advance,
-  acquire_each,
-  many,  // different callers' one-key steps in one call (auto-batching)
+  many,  // several one-key steps in one call: auto-batching and every batch
 };
-inline constexpr std::size_t script_count = 11;
+inline constexpr std::size_t script_count = 8;
 
 struct ScriptInfo {
   std::string_view name;

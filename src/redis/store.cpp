@@ -1,4 +1,4 @@
-// RedisStore: formats one EVALSHA per transition (one pipelined run per 256 keys for a batch) and
+// RedisStore: formats one EVALSHA per transition (one pipelined many.lua run per 256 keys for a batch) and
 // parses the replies; the client does the rest.
 
 #include "idem/redis/store.hpp"
@@ -260,6 +260,14 @@ using namespace detail::redis;
 // asked again as the same holder (Resend::same_holder); inspect only reads.
 Resend resend_of(Script s) { return s == Script::inspect ? Resend::never : Resend::same_holder; }
 
+// many.lua's letter for an acquire that shares the call's lease, retention and owner: 'a' without
+// a fingerprint (the token alone), 'b' with one (then acquire_args adds both).
+char acquire_step(std::string_view fingerprint) { return fingerprint.empty() ? 'a' : 'b'; }
+void acquire_args(Command& cmd, const AcquireParams& p) {
+  cmd.token(p.token);
+  if (!p.fingerprint.empty()) cmd.arg(p.fingerprint);
+}
+
 ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
   ReplyPtr r;
   try {
@@ -273,14 +281,16 @@ ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
   return r;
 }
 
-// A batch of `items`: one EVALSHA of `s` per batch_chunk of them, pipelined. `key_of(item)` is the
+// A batch of `items`: one EVALSHA of many.lua per batch_chunk of them, pipelined (the one batch
+// format: auto-batching's calls and a store's batches carry their steps alike). `key_of(item)` is the
 // idempotency key, `encode(cmd, idx)` adds the arguments after the keys for the items at `idx`,
 // `parse(reply, item)` reads one element of a run's reply. On a cluster every script's keys
 // share one slot: the items are grouped by slot first (each group in input order), and the
 // client sends each master its share.
 template <class Out, class Item, class KeyOf, class Encode, class Parse>
-std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items, const KeyOf& key_of,
-                           const Encode& encode, const Parse& parse, std::size_t chunk = batch_chunk) {
+std::vector<Out> run_batch(Client& client, std::span<const Item> items, const KeyOf& key_of, const Encode& encode,
+                           const Parse& parse, std::size_t chunk = batch_chunk) {
+  constexpr Script s = Script::many;
   const std::string_view name = script(s).name;
   const std::string& prefix = client.options().key_prefix;
   std::vector<std::size_t> order(items.size());
@@ -323,7 +333,7 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
     // and TRYAGAIN (some not arrived). One key per script always runs somewhere, so the batch is
     // sent again that way; what already ran answers as done (the same token or holder asks again).
     if (e.code() != "REDIRECTS" || chunk == 1) throw;
-    return run_batch<Out>(client, s, items, key_of, encode, parse, 1);
+    return run_batch<Out>(client, items, key_of, encode, parse, 1);
   }
   std::vector<std::optional<Out>> placed(items.size());
   for (std::size_t c = 0; c < replies.size(); ++c) {
@@ -335,6 +345,9 @@ std::vector<Out> run_batch(Client& client, Script s, std::span<const Item> items
     if (r->type != REDIS_REPLY_ARRAY || r->elements != run.n) bad_reply(name, first);
     for (std::size_t i = 0; i < run.n; ++i) {
       const std::size_t item = order[run.from + i];
+      // many.lua answers one key's error (a damaged record, OOM) in that key's place and goes on.
+      throw_if_error(r->element[i], store_hints,
+                     [&] { return fmt::format("{} of key '{}'", name, printable(key_of(items[item]))); });
       placed[item] = parse(r->element[i], items[item]);
     }
   }
@@ -385,9 +398,9 @@ namespace {
 // A completed record is final (docs/design.md: never overwritten; only its retention, a purge or
 // an operator's release ends it), so reading it is deciding its acquire: the answer the script
 // would give, at the instant of the read. One MGET per 256 keys answers a batch's duplicates for
-// about a sixth of the script's server time per key; the usual completed record (the one
-// ones completed_reply in record.lua answers with the record itself) are read here, anything else goes
-// through acquire_each. Empty when the batch goes wholly to the script: on a cluster (its keys
+// about a sixth of the script's server time per key; the usual completed records (the ones
+// completed_reply in record.lua answers with the record itself) are read here, anything else goes
+// through many.lua. Empty when the batch goes wholly to the script: on a cluster (its keys
 // span slots, and MGET takes one), or once the server refused MGET (an ACL without +mget).
 std::vector<std::optional<AcquireResult>> duplicates_first(Client& c, std::span<const AcquireRequest> requests) {
   if (c.clustered() || c.mget_refused.load(std::memory_order_relaxed)) return {};
@@ -442,10 +455,12 @@ std::vector<AcquireResult> RedisStore::acquire_many(std::span<const AcquireReque
   const std::string_view owner = first.owner.substr(0, 255);
   auto acquire_each = [&](std::span<const AcquireRequest> reqs) {
     return run_batch<AcquireResult>(
-        impl(), Script::acquire_each, reqs, [](const AcquireRequest& r) { return r.key; },
+        impl(), reqs, [](const AcquireRequest& r) { return r.key; },
         [&](Command& cmd, std::span<const std::size_t> idx) {
-          cmd.arg(first.lease.count()).arg(first.retention.count()).arg(owner);
-          for (std::size_t i : idx) cmd.token(reqs[i].params.token).arg(reqs[i].params.fingerprint);
+          std::string steps;
+          for (std::size_t i : idx) steps += acquire_step(reqs[i].params.fingerprint);
+          cmd.joined({steps}).arg(first.lease.count()).arg(first.retention.count()).arg(owner);
+          for (std::size_t i : idx) acquire_args(cmd, reqs[i].params);
         },
         [](const redisReply* r, const AcquireRequest& req) { return parse_acquire(r, req.key, req.params.token); });
   };
@@ -526,9 +541,13 @@ std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string
   check_fingerprint(p);
   const std::string_view owner = p.owner.substr(0, 255);
   std::vector<AcquireResult> out = run_batch<AcquireResult>(
-      impl(), Script::acquire_batch, keys, [](std::string_view k) { return k; },
-      [&](Command& cmd, std::span<const std::size_t>) {
-        cmd.token(p.token).arg(p.lease.count()).arg(p.retention.count()).arg(p.fingerprint).arg(owner);
+      impl(), keys, [](std::string_view k) { return k; },
+      [&](Command& cmd, std::span<const std::size_t> idx) {
+        cmd.joined({std::string(idx.size(), acquire_step(p.fingerprint))})
+            .arg(p.lease.count())
+            .arg(p.retention.count())
+            .arg(owner);
+        for (std::size_t i = 0; i < idx.size(); ++i) acquire_args(cmd, p);
       },
       [&](const redisReply* r, std::string_view k) { return parse_acquire(r, k, p.token); });
   // A key twice in one batch shares the batch's token, so the script takes the second for this
@@ -547,9 +566,9 @@ std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem
   detail::check_lease(retention, "retention");
   for (const CompleteItem& it : items) detail::check_holder(it.key, it.holder);
   return run_batch<WriteStatus>(
-      impl(), Script::complete_batch, items, [](const CompleteItem& it) { return it.key; },
+      impl(), items, [](const CompleteItem& it) { return it.key; },
       [&](Command& cmd, std::span<const std::size_t> idx) {
-        cmd.arg(retention.count());
+        cmd.joined({std::string(idx.size(), 'c')}).arg("").arg(retention.count()).arg("");
         for (std::size_t i : idx) cmd.arg(items[i].holder.fence).token(items[i].holder.token).arg(items[i].result);
       },
       [](const redisReply* r, const CompleteItem& it) { return parse_write(r, "complete_batch", it.key); });

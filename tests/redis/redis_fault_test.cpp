@@ -225,6 +225,19 @@ TEST_CASE("redis garbage record: corrupt_record_error, never a duplicate", "[red
     CHECK_THROWS_AS(store.complete(k, idem::Holder{1, 1}, "x", 60s), idem::corrupt_record_error);
     CHECK(server.command({"GET", store.redis_key(k)}) == g);  // left as found
   }
+  // In a batch (one many.lua call): the damaged key's error is thrown once every answer is in, and
+  // the keys after it in the same call were still decided (they lapse after their lease).
+  const std::string bad = ns + "0", before = ns + "batch-before", after = ns + "batch-after";
+  const std::vector<std::string_view> keys{before, bad, after};
+  idem::AcquireParams p{.lease = 30s, .retention = 60s, .token = 77};
+  CHECK_THROWS_AS(store.acquire_batch(keys, p), idem::corrupt_record_error);
+  CHECK(store.inspect(before)->state == idem::State::in_progress);
+  CHECK(store.inspect(after)->state == idem::State::in_progress);
+  const std::vector<idem::CompleteItem> items{{before, idem::Holder{1, 77}, "b"}, {bad, idem::Holder{1, 77}, "x"},
+                                              {after, idem::Holder{1, 77}, "a"}};
+  CHECK_THROWS_AS(store.complete_batch(items, 60s), idem::corrupt_record_error);
+  CHECK(store.inspect(after)->state == idem::State::completed);
+  CHECK(server.command({"GET", store.redis_key(bad)}) == garbage[0]);
 }
 
 // maxmemory 0 (the default): nothing is evicted yet, so the store is built, with a warning.

@@ -228,7 +228,7 @@ TEST_CASE("redis record format: records written by the previous version are read
 }
 
 TEST_CASE("redis record format: the usual in_progress record completes to the v1 bytes", "[redis][format]") {
-  // complete.lua and complete_key (complete_batch, many.lua) read the usual record (header 0x81:
+  // complete.lua and complete_key (many.lua: complete_batch, auto-batching) read the usual record (header 0x81:
   // 1-byte generation, no fingerprint) with one struct.unpack and write the completed record with
   // one struct.pack: the bytes, the holder check and the retention of the general path.
   RedisStore store(server().options());
@@ -269,7 +269,7 @@ TEST_CASE("redis record format: the usual in_progress record completes to the v1
   put(ns + "unavail", held(1));
   REQUIRE(store.complete_unavailable(ns + "unavail", idem::Holder{1, tok}, "why", 60s) == WriteStatus::ok);
   CHECK(raw(ns + "unavail") == v1(2, 1, tok, "", "", "why", true));
-  // complete_batch (complete_key's copy of the usual case)
+  // complete_batch (many.lua, through complete_key)
   put(ns + "batch-1", held(1));
   put(ns + "batch-2", held(2));
   const std::string b1 = ns + "batch-1", b2 = ns + "batch-2";
