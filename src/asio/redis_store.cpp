@@ -4,6 +4,7 @@
 
 #include "idem/asio/redis_store.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <future>
@@ -16,6 +17,7 @@
 #include "connection.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/hex.hpp"
+#include "idem/core/validate.hpp"
 #include "idem/redis/hash_slot.hpp"
 #include "store_requests.hpp"
 
@@ -119,7 +121,8 @@ using detail::redis::Script;
 
 AsyncRedisStore::AsyncRedisStore(executor_type ex, RedisOptions options)
     : ex_(std::move(ex)), options_(detail::redis::resolve_options(std::move(options))),
-      engine_(detail::asio_redis::make_engine(ex_, options_, detail::asio_redis::factory_of(options_, limits_))) {
+      engine_(detail::asio_redis::make_engine(ex_, options_, detail::asio_redis::factory_of(options_, limits_))),
+      duplicates_first_(std::make_unique<detail::redis::DuplicatesFirst>()) {
   if (options_.min_replica_acks > 0)
     wait_.assign(Command().arg("WAIT").arg(options_.min_replica_acks).arg(options_.replica_ack_timeout.count()).format().view());
 }
@@ -197,13 +200,58 @@ void AsyncRedisStore::submit_inspect(std::string_view key, DonePtr<std::optional
   });
 }
 
+std::vector<std::optional<AcquireResult>> AsyncRedisStore::duplicates_first(std::span<const AcquireRequest> requests) {
+  using detail::asio_redis::Gather;
+  using detail::asio_redis::GatherSlot;
+  using detail::redis::batch_chunk;
+  using Known = std::vector<std::optional<AcquireResult>>;
+  if (!options_.cluster_nodes.empty() || !duplicates_first_->wanted()) return {};
+  // Bad input is each request's own error (below), so nothing is read for a batch that has any.
+  for (const AcquireRequest& r : requests)
+    if (detail::asio_redis::capture([&] { detail::check_acquire(r.key, r.params); })) return {};
+  auto g = std::make_shared<Gather<Known>>();
+  std::vector<std::unique_ptr<detail::asio_redis::Op>> ops;
+  for (std::size_t from = 0; from < requests.size(); from += batch_chunk) {
+    const auto chunk = requests.subspan(from, std::min(batch_chunk, requests.size() - from));
+    Command cmd = detail::redis::mget_command(options_, chunk);
+    auto op = request<Known>(
+        std::make_unique<GatherSlot<Known>>(g, g->add()),
+        [chunk](const redisReply* r, std::string_view) {
+          Known known(chunk.size());
+          detail::redis::read_mget(r, chunk, known.data());
+          return known;
+        },
+        cmd, Script::inspect, wait_, options_, chunk.front().key);
+    op->same_holder = true;  // a read: asked again after a lost reply
+    op->label = fmt::format("MGET of {} keys from '{}'", chunk.size(), detail::printable(chunk.front().key));
+    ops.push_back(std::move(op));
+  }
+  detail::asio_redis::submit(*engine_, std::move(ops));
+  g->wait();
+  Known known;
+  try {
+    for (Known& part : g->take()) known.insert(known.end(), part.begin(), part.end());
+  } catch (const store_error& e) {
+    if (e.code() != "NOPERM") throw;
+    if (duplicates_first_->refuse()) detail::redis::warn_mget_refused(options_, e.what());
+    return {};
+  }
+  const bool found = std::any_of(known.begin(), known.end(), [](const auto& k) { return k.has_value(); });
+  duplicates_first_->read(found);
+  if (!found) return {};
+  return known;
+}
+
 std::vector<AcquireResult> AsyncRedisStore::acquire_many(std::span<const AcquireRequest> requests) {
   using detail::asio_redis::Gather;
   using detail::asio_redis::GatherSlot;
+  std::vector<std::optional<AcquireResult>> known = duplicates_first(requests);
   auto g = std::make_shared<Gather<AcquireResult>>();
   std::vector<std::unique_ptr<detail::asio_redis::Op>> ops;
   ops.reserve(requests.size());
-  for (const AcquireRequest& r : requests) {
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (!known.empty() && known[i]) continue;
+    const AcquireRequest& r = requests[i];
     detail::asio_redis::DonePtr<AcquireResult> done = std::make_unique<GatherSlot<AcquireResult>>(g, g->add());
     std::exception_ptr e = detail::asio_redis::capture([&] {
       Command cmd = detail::redis::acquire_command(options_, r.key, r.params);
@@ -216,7 +264,13 @@ std::vector<AcquireResult> AsyncRedisStore::acquire_many(std::span<const Acquire
   }
   if (!ops.empty()) detail::asio_redis::submit(*engine_, std::move(ops));
   g->wait();
-  return g->take();
+  std::vector<AcquireResult> decided = g->take();
+  if (known.empty()) return decided;
+  std::vector<AcquireResult> out;
+  out.reserve(requests.size());
+  std::size_t next = 0;
+  for (auto& k : known) out.push_back(k ? std::move(*k) : std::move(decided[next++]));
+  return out;
 }
 
 AsyncRedisStore::BatchWriter::BatchWriter(AsyncRedisStore& store, std::shared_ptr<detail::asio_redis::BatchState> state)

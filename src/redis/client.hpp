@@ -27,6 +27,7 @@
 #include "idem/redis/options.hpp"
 #include "scripts.hpp"
 #include "tls.hpp"
+#include "store_requests.hpp"
 
 namespace idem::detail::redis {
 
@@ -146,9 +147,8 @@ public:
   // Cluster mode: the slot of the key made of `parts` (the stores route by it); -1 otherwise.
   [[nodiscard]] int slot_of(std::initializer_list<std::string_view> parts) const;
   [[nodiscard]] bool clustered() const noexcept { return cluster_ != nullptr; }
-  // RedisStore::acquire_many reads its keys with MGET before its script, until the server refuses
-  // MGET (an ACL without +mget): then never again on this client, with one warning.
-  std::atomic<bool> mget_refused{false};
+  // Whether RedisStore::acquire_many reads its keys with MGET before its script (store_requests.hpp).
+  DuplicatesFirst duplicates_first;
   // Cluster mode: the master that serves `slot` now, and a routed call (Writes uses both).
   std::shared_ptr<Client> cluster_owner(int slot);
   ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,

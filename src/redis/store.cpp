@@ -25,10 +25,6 @@ namespace detail::redis {
 using detail::printable;
 
 namespace {
-// Keys per batch script run: bounds the server's time inside one script (other clients wait
-// while it runs) and the reply size; longer batches are several runs in the same round trip.
-constexpr std::size_t batch_chunk = 256;
-
 std::uint64_t token_value(std::string_view s) {
   std::uint64_t t = 0;
   for (char c : s) t = (t << 8) | static_cast<unsigned char>(c);
@@ -65,6 +61,29 @@ bool usual_completed(const redisReply* r, AcquireResult& out) {
   out.status = AcquireStatus::duplicate;
   out.attempts = b[1];
   return true;
+}
+
+Command mget_command(const RedisOptions& o, std::span<const AcquireRequest> requests) {
+  Command cmd;
+  cmd.arg("MGET");
+  for (const AcquireRequest& r : requests) cmd.joined({o.key_prefix, r.key});
+  return cmd;
+}
+
+void read_mget(const redisReply* r, std::span<const AcquireRequest> requests, std::optional<AcquireResult>* known) {
+  if (r->type != REDIS_REPLY_ARRAY || r->elements != requests.size()) bad_reply("MGET", requests.front().key);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    AcquireResult dup;
+    if (usual_completed(r->element[i], dup)) known[i] = std::move(dup);
+  }
+}
+
+void warn_mget_refused(const RedisOptions& o, std::string_view error_text) {
+  if (o.observer)
+    o.observer->on_warning(
+        fmt::format("idem: Redis refused MGET ({}): batches now answer duplicates through the script, which costs "
+                    "the server more; grant the ACL user +mget",
+                    error_text));
 }
 
 AcquireResult parse_acquire(const redisReply* r, std::string_view key, std::uint64_t token) {
@@ -401,38 +420,24 @@ namespace {
 // about a sixth of the script's server time per key; the usual completed records (the ones
 // completed_reply in record.lua answers with the record itself) are read here, anything else goes
 // through many.lua. Empty when the batch goes wholly to the script: on a cluster (its keys
-// span slots, and MGET takes one), or once the server refused MGET (an ACL without +mget).
+// span slots, and MGET takes one), or when DuplicatesFirst says the read is not worth its round trip.
 std::vector<std::optional<AcquireResult>> duplicates_first(Client& c, std::span<const AcquireRequest> requests) {
-  if (c.clustered() || c.mget_refused.load(std::memory_order_relaxed)) return {};
-  const std::string& prefix = c.options().key_prefix;
+  if (c.clustered() || !c.duplicates_first.wanted()) return {};
   std::vector<std::optional<AcquireResult>> known(requests.size());
-  bool any = false;
   for (std::size_t from = 0; from < requests.size(); from += batch_chunk) {
-    const std::size_t n = std::min(batch_chunk, requests.size() - from);
-    Command cmd;
-    cmd.arg("MGET");
-    for (std::size_t i = from; i < from + n; ++i) cmd.joined({prefix, requests[i].key});
-    ReplyPtr r = c.call(cmd.format(), "MGET");
+    const auto chunk = requests.subspan(from, std::min(batch_chunk, requests.size() - from));
+    ReplyPtr r = c.call(mget_command(c.options(), chunk).format(), "MGET");
     if (is_error(r.get())) {
-      const std::string text(reply_text(r.get()));
-      if (error_code(text) != "NOPERM") throw_if_error(r.get(), store_hints, [] { return std::string("MGET"); });
-      c.mget_refused = true;
-      if (c.options().observer)
-        c.options().observer->on_warning(fmt::format(
-            "idem: Redis refused MGET ({}): batches now answer duplicates through the script, which costs the "
-            "server more; grant the ACL user +mget",
-            text));
+      if (error_code(reply_text(r.get())) != "NOPERM")
+        throw_if_error(r.get(), store_hints, [] { return std::string("MGET"); });
+      if (c.duplicates_first.refuse()) warn_mget_refused(c.options(), reply_text(r.get()));
       return {};
     }
-    if (r->type != REDIS_REPLY_ARRAY || r->elements != n) bad_reply("MGET", requests[from].key);
-    for (std::size_t i = 0; i < n; ++i) {
-      AcquireResult dup;
-      if (!usual_completed(r->element[i], dup)) continue;
-      known[from + i] = std::move(dup);
-      any = true;
-    }
+    read_mget(r.get(), chunk, known.data() + from);
   }
-  if (!any) return {};
+  const bool found = std::any_of(known.begin(), known.end(), [](const auto& k) { return k.has_value(); });
+  c.duplicates_first.read(found);
+  if (!found) return {};
   return known;
 }
 }  // namespace

@@ -4,10 +4,13 @@
 // AsyncRedisStore (Boost.Asio, through its own multiplexed connection), so both send the same
 // scripts the same arguments and read the same answers the same way.
 
+#include <atomic>
 #include <optional>
+#include <span>
 #include <string_view>
 
 #include "command.hpp"
+#include "idem/core/batch_store.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
 #include "idem/redis/options.hpp"
@@ -36,6 +39,43 @@ std::optional<Record> parse_inspect(const redisReply* r, std::string_view key);
 
 // The record stores the fingerprint's length in 16 bits: invalid_options_error above that.
 void check_fingerprint(const AcquireParams& p);
+
+// A batch's duplicates answered before any script (both stores' acquire_many): a completed record
+// is final, so reading it decides its acquire. Keys per MGET (and per batch script run).
+inline constexpr std::size_t batch_chunk = 256;
+// MGET of the requests' keys (prefixed): at most batch_chunk of them, of one slot on a cluster.
+Command mget_command(const RedisOptions& o, std::span<const AcquireRequest> requests);
+// Sets known[i] for each usual completed record the MGET read; leaves the others (the script
+// decides them); bad_reply on a reply of another shape.
+void read_mget(const redisReply* r, std::span<const AcquireRequest> requests, std::optional<AcquireResult>* known);
+// Whether a batch reads its keys with MGET before any script. Never once the server refused MGET
+// (NOPERM: an ACL without +mget). Redeliveries come in bursts (after a crash, a rebalance) and
+// fresh traffic has none, so an MGET that found no completed record cost a round trip for
+// nothing: the next batches skip it, and one in probe_every reads again. Thread-safe; the count
+// is a hint (a race moves a probe, never an answer).
+class DuplicatesFirst {
+public:
+  static constexpr unsigned probe_every = 8;
+  // Whether this batch reads first; counts a skipped one.
+  bool wanted() noexcept {
+    if (refused_.load(std::memory_order_relaxed)) return false;
+    unsigned s = skip_.load(std::memory_order_relaxed);
+    while (s > 0 && !skip_.compare_exchange_weak(s, s - 1, std::memory_order_relaxed)) {
+    }
+    return s == 0;
+  }
+  // What the read found: any completed record, or none (the next batches skip the read).
+  void read(bool found) noexcept { skip_.store(found ? 0 : probe_every - 1, std::memory_order_relaxed); }
+  // The server refused MGET: true the first time (the caller warns once).
+  bool refuse() noexcept { return !refused_.exchange(true); }
+
+private:
+  std::atomic<bool> refused_{false};
+  std::atomic<unsigned> skip_{0};
+};
+// Tells the observer, once per store, that the server refused MGET (NOPERM: an ACL without +mget):
+// its batches now answer duplicates through the script.
+void warn_mget_refused(const RedisOptions& o, std::string_view error_text);
 
 }  // namespace idem::detail::redis
 

@@ -374,6 +374,36 @@ TEST_CASE("redis batch: completed keys read by one MGET, the script decides only
   batch_of_duplicates(store, server(), "mget-" + idem::test::random_hex() + ":", 1);
 }
 
+// Fresh traffic has no duplicates: an MGET that found none is skipped by the next 7 batches (their
+// duplicates answered by the script), the 8th reads again, and reads go on while they find some.
+TEST_CASE("redis batch: after an MGET that found no completed record, one batch in 8 reads first", "[redis][batch]") {
+  RedisStore store(server().options());
+  const std::string ns = "probe-" + idem::test::random_hex() + ":";
+  const std::string a = ns + "a", b = ns + "b";
+  std::uint64_t token = 100;
+  auto batch = [&] {
+    const std::vector<idem::AcquireRequest> req{{a, params(++token)}, {b, params(++token)}};
+    return store.acquire_many(req);
+  };
+  server().command({"CONFIG", "RESETSTAT"});
+  const auto fresh = batch();  // read first: nothing found
+  CHECK(calls_of(server(), "mget") == 1);
+  for (std::size_t i = 0; i < 2; ++i) {
+    REQUIRE(fresh[i].status == AcquireStatus::acquired);
+    REQUIRE(store.complete(i == 0 ? a : b, fresh[i].holder, "r", 60s) == WriteStatus::ok);
+  }
+  server().command({"CONFIG", "RESETSTAT"});
+  for (int i = 0; i < 7; ++i)
+    for (const auto& r : batch()) CHECK(r.status == AcquireStatus::duplicate);
+  CHECK(calls_of(server(), "mget") == 0);
+  CHECK(calls_of(server(), "evalsha") == 7);
+  server().command({"CONFIG", "RESETSTAT"});
+  for (int i = 0; i < 2; ++i)
+    for (const auto& r : batch()) CHECK(r.status == AcquireStatus::duplicate);
+  CHECK(calls_of(server(), "mget") == 2);
+  CHECK(calls_of(server(), "evalsha") == 0);
+}
+
 TEST_CASE("redis batch: a user without +mget is warned once and every key goes through the script", "[redis][batch]") {
   static RedisServer srv{{"user idem-nomget on >pw ~* -@all +evalsha +script|load +get +set +pttl +pexpire +time "
                           "+config|get +info +config|resetstat"}};

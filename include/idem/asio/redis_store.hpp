@@ -39,6 +39,10 @@ struct AsyncRedisStats {
   std::uint64_t health_failures = 0;  ///< of them, unanswered within command_timeout: the connection was dropped
 };
 
+namespace detail::redis {
+class DuplicatesFirst;
+}  // namespace detail::redis
+
 namespace detail::asio_redis {
 
 /// One request's completion, type-erased so the connection is compiled once (the .cpp) while the
@@ -153,9 +157,10 @@ public:
   /// Blocking inspect.
   std::optional<Record> inspect(std::string_view key);
 
-  /// Decides each request exactly as acquire() would (BatchStore, for run_batch): all are queued
-  /// at once, so they leave coalesced, up to auto_batch keys per script call (per slot on a
-  /// cluster); results in request order. When one fails it throws (the first error) after every
+  /// Decides each request exactly as acquire() would (BatchStore, for run_batch): the usual
+  /// completed records are read first, one MGET per 256 keys (not on a cluster, nor once the ACL
+  /// refused MGET; after a read that found none, one batch in 8 reads), and the rest are queued at once, so they leave coalesced, up to auto_batch keys
+  /// per script call (per slot on a cluster); results in request order. When one fails it throws (the first error) after every
   /// answer is in; keys acquired by the others lapse after their lease (fail closed).
   std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests);
 
@@ -249,12 +254,16 @@ private:
   void submit_fail(std::string_view key, const Holder& h, const FailParams& f, DonePtr<WriteStatus> done);
   void submit_extend(std::string_view key, const Holder& h, millis lease, DonePtr<WriteStatus> done);
   void submit_inspect(std::string_view key, DonePtr<std::optional<Record>> done);
+  // acquire_many's first round trip (RedisStore's too): the duplicates a read decides.
+  std::vector<std::optional<AcquireResult>> duplicates_first(std::span<const AcquireRequest> requests);
 
   executor_type ex_;
   RedisOptions options_;
   StoreLimits limits_;
   std::string wait_;  // `WAIT n timeout`, sent after each write with min_replica_acks; else empty
   std::shared_ptr<detail::asio_redis::Engine> engine_;
+  // Whether acquire_many reads its keys with MGET first (src/redis/store_requests.hpp).
+  std::unique_ptr<detail::redis::DuplicatesFirst> duplicates_first_;
 };
 
 }  // namespace idem
