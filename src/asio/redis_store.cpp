@@ -273,6 +273,38 @@ std::vector<AcquireResult> AsyncRedisStore::acquire_many(std::span<const Acquire
   return out;
 }
 
+std::vector<AcquireResult> AsyncRedisStore::acquire_batch(std::span<const std::string_view> keys,
+                                                          const AcquireParams& p) {
+  for (std::string_view k : keys) detail::check_acquire(k, p);
+  detail::redis::check_fingerprint(p);
+  std::vector<AcquireRequest> requests;
+  requests.reserve(keys.size());
+  for (std::string_view k : keys) requests.push_back({k, p});
+  std::vector<AcquireResult> out = acquire_many(requests);
+  detail::redis::one_holder_per_key(keys, out, p.lease);
+  return out;
+}
+
+std::vector<WriteStatus> AsyncRedisStore::complete_batch(std::span<const CompleteItem> items, millis retention) {
+  using detail::asio_redis::Gather;
+  using detail::asio_redis::GatherSlot;
+  detail::check_lease(retention, "retention");
+  for (const CompleteItem& it : items) detail::check_holder(it.key, it.holder);
+  auto g = std::make_shared<Gather<WriteStatus>>();
+  std::vector<std::unique_ptr<detail::asio_redis::Op>> ops;
+  ops.reserve(items.size());
+  for (const CompleteItem& it : items) {
+    Command cmd = detail::redis::complete_command(options_, it.key, it.holder, it.result, retention, false);
+    ops.push_back(request<WriteStatus>(
+        std::make_unique<GatherSlot<WriteStatus>>(g, g->add()),
+        [](const redisReply* r, std::string_view k) { return detail::redis::parse_write(r, "complete_batch", k); }, cmd,
+        Script::complete, wait_, options_, it.key));
+  }
+  if (!ops.empty()) detail::asio_redis::submit(*engine_, std::move(ops));
+  g->wait();
+  return g->take();
+}
+
 AsyncRedisStore::BatchWriter::BatchWriter(AsyncRedisStore& store, std::shared_ptr<detail::asio_redis::BatchState> state)
     : store_(&store), state_(std::move(state)) {}
 AsyncRedisStore::BatchWriter::BatchWriter(BatchWriter&&) noexcept = default;

@@ -63,6 +63,14 @@ bool usual_completed(const redisReply* r, AcquireResult& out) {
   return true;
 }
 
+void one_holder_per_key(std::span<const std::string_view> keys, std::vector<AcquireResult>& out, millis lease) {
+  if (keys.size() < 2) return;
+  std::unordered_set<std::string_view> taken;
+  for (std::size_t i = 0; i < keys.size(); ++i)
+    if (out[i].status == AcquireStatus::acquired && !taken.insert(keys[i]).second)
+      out[i] = AcquireResult{.status = AcquireStatus::in_flight, .attempts = out[i].attempts, .retry_after = lease};
+}
+
 Command mget_command(const RedisOptions& o, std::span<const AcquireRequest> requests) {
   Command cmd;
   cmd.arg("MGET");
@@ -555,15 +563,7 @@ std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string
         for (std::size_t i = 0; i < idx.size(); ++i) acquire_args(cmd, p);
       },
       [&](const redisReply* r, std::string_view k) { return parse_acquire(r, k, p.token); });
-  // A key twice in one batch shares the batch's token, so the script takes the second for this
-  // acquisition asked again (as after a lost reply) and answers acquired twice. It is one holder:
-  // the second is in_flight behind the first, as it always was.
-  if (keys.size() > 1) {
-    std::unordered_set<std::string_view> taken;
-    for (std::size_t i = 0; i < keys.size(); ++i)
-      if (out[i].status == AcquireStatus::acquired && !taken.insert(keys[i]).second)
-        out[i] = AcquireResult{.status = AcquireStatus::in_flight, .attempts = out[i].attempts, .retry_after = p.lease};
-  }
+  one_holder_per_key(keys, out, p.lease);
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "command.hpp"
 #include "idem/core/batch_store.hpp"
@@ -39,6 +40,11 @@ std::optional<Record> parse_inspect(const redisReply* r, std::string_view key);
 
 // The record stores the fingerprint's length in 16 bits: invalid_options_error above that.
 void check_fingerprint(const AcquireParams& p);
+
+// acquire_batch: a key twice in one batch shares the batch's token, so the script takes the second
+// for this acquisition asked again (as after a lost reply) and answers acquired twice. It is one
+// holder: the second is reported in_flight behind the first.
+void one_holder_per_key(std::span<const std::string_view> keys, std::vector<AcquireResult>& out, millis lease);
 
 // A batch's duplicates answered before any script (both stores' acquire_many): a completed record
 // is final, so reading it decides its acquire. Keys per MGET (and per batch script run).

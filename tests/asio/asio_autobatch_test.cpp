@@ -405,3 +405,55 @@ TEST_CASE("auto-batching: acquire_many on AsyncRedisStore without +mget warns on
   CHECK(std::count_if(w->seen.begin(), w->seen.end(),
                       [](const std::string& m) { return m.find("+mget") != std::string::npos; }) == 1);
 }
+
+// acquire_batch and complete_batch of AsyncRedisStore answer as RedisStore's do (redis_store_test's
+// "redis batch claim and complete"): in key order, a key twice one holder, bad input refused before
+// anything is sent.
+TEST_CASE("auto-batching: acquire_batch and complete_batch on AsyncRedisStore", "[asio][batch]") {
+  idem::test::AsyncRedisFactory f;
+  auto& store = f.store();
+  const std::string ns = "abatch-" + random_hex() + ":";
+  const idem::AcquireParams held{.lease = 10s, .retention = 60s, .token = 9};
+  auto done = store.acquire(ns + "3", held);
+  REQUIRE(store.complete(ns + "3", done.holder, "old", 60s) == idem::WriteStatus::ok);
+  REQUIRE(store.acquire(ns + "5", held).status == idem::AcquireStatus::acquired);
+  std::vector<std::string> names;
+  for (int i = 0; i < 300; ++i) names.push_back(ns + std::to_string(i));
+  names.push_back(ns + "7");  // twice: the second is in_flight behind the first
+  std::vector<std::string_view> views(names.begin(), names.end());
+  const idem::AcquireParams p{.lease = 10s, .retention = 60s, .token = 10};
+  auto claims = store.acquire_batch(views, p);
+  REQUIRE(claims.size() == views.size());
+  std::vector<idem::CompleteItem> items;
+  for (std::size_t i = 0; i < claims.size(); ++i) {
+    INFO("key " << views[i]);
+    if (i == 3) {
+      CHECK(claims[i].status == idem::AcquireStatus::duplicate);
+      CHECK(claims[i].payload == "old");
+    } else if (i == 5 || i == 300) {
+      CHECK(claims[i].status == idem::AcquireStatus::in_flight);
+    } else {
+      REQUIRE(claims[i].status == idem::AcquireStatus::acquired);
+      CHECK(claims[i].holder.fence == 1);
+      items.push_back({views[i], claims[i].holder, "ok"});
+    }
+  }
+  items.push_back({views[3], idem::Holder{1, 10}, "stale"});  // not a holder: lease_lost
+  const auto before = store.stats();
+  const auto st = store.complete_batch(items, 60s);
+  CHECK(store.stats().requests - before.requests < items.size());  // coalesced
+  REQUIRE(st.size() == items.size());
+  for (std::size_t i = 0; i + 1 < st.size(); ++i) CHECK(st[i] == idem::WriteStatus::ok);
+  CHECK(st.back() == idem::WriteStatus::lease_lost);
+  const auto again = store.acquire_batch(views, {.lease = 10s, .retention = 60s, .token = 11});
+  for (std::size_t i = 0; i < again.size(); ++i)
+    if (i != 5) CHECK(again[i].status == idem::AcquireStatus::duplicate);
+  CHECK(store.acquire_batch({}, p).empty());
+  CHECK(store.complete_batch({}, 60s).empty());
+  const auto sent = store.stats().requests;
+  const std::vector<std::string_view> with_empty{views[0], ""};
+  CHECK_THROWS_AS(store.acquire_batch(with_empty, p), idem::invalid_key_error);
+  const std::vector<idem::CompleteItem> bad{{views[0], idem::Holder{1, 10}, "x"}, {views[1], idem::Holder{0, 10}, "x"}};
+  CHECK_THROWS_AS(store.complete_batch(bad, 60s), idem::usage_error);
+  CHECK(store.stats().requests == sent);
+}

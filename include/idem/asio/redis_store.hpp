@@ -164,6 +164,14 @@ public:
   /// answer is in; keys acquired by the others lapse after their lease (fail closed).
   std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests);
 
+  /// Acquires many keys, all with `p` (as RedisStore::acquire_batch): the inputs checked first
+  /// (nothing is sent for a batch with a bad key), then as acquire_many; results in key order; a
+  /// key twice is one holder (the second in_flight behind the first).
+  std::vector<AcquireResult> acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p);
+  /// Completes many keys (as RedisStore::complete_batch): queued at once, so they leave coalesced;
+  /// statuses in item order; the first error thrown after every answer is in.
+  std::vector<WriteStatus> complete_batch(std::span<const CompleteItem> items, millis retention);
+
   /// The writes of one batch (BatchWriter): complete() and fail() queue their request at once, so
   /// writes made while one is in flight leave together in one script call; finish() waits for
   /// every answer. An answer lost is asked again as the same holder, as for the single calls. One

@@ -17,6 +17,13 @@ struct AcquireRequest {
   AcquireParams params;  ///< as for acquire(key, params)
 };
 
+/// One item of complete_batch (RedisStore, AsyncRedisStore): the key, the holder acquire returned, and the result.
+struct CompleteItem {
+  std::string_view key;    ///< the idempotency key
+  Holder holder;           ///< the holder returned by acquire or acquire_batch
+  std::string_view result; ///< encoded result to store
+};
+
 /**
  * The writes of one batch (IdempotencyGuard::run_batch): `complete` and `fail` return at once —
  * the request is on its way (or, for an in-process store, done) — and `finish()` waits for every

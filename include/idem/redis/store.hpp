@@ -18,13 +18,6 @@
 
 namespace idem {
 
-/// One item of RedisStore::complete_batch: the key, the holder acquire returned, and the result.
-struct CompleteItem {
-  std::string_view key;    ///< the idempotency key
-  Holder holder;           ///< the holder returned by acquire or acquire_batch
-  std::string_view result; ///< encoded result to store
-};
-
 /**
  * StateStore on a Redis server. Each transition is one Lua script run with EVALSHA —
  * one round trip, atomic on the server, timed by the server's `TIME` — and the scripts reload
