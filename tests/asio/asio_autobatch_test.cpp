@@ -19,6 +19,7 @@
 #include "asio_factory.hpp"
 #include "redis_topology.hpp"
 #include "support/tcp_proxy.hpp"
+#include "support/warnings.hpp"
 
 using namespace std::chrono_literals;
 namespace asio = boost::asio;
@@ -365,17 +366,6 @@ TEST_CASE("auto-batching: run_batch on AsyncRedisStore leaves its acquisitions a
   for (const auto& [k, n] : runs) CHECK(n == 1);
 }
 
-namespace {
-struct Warnings : idem::Observer {
-  std::mutex mu;
-  std::vector<std::string> seen;
-  void on_warning(std::string_view m) noexcept override {
-    std::lock_guard lk(mu);
-    seen.emplace_back(m);
-  }
-};
-}  // namespace
-
 // As RedisStore's batches: with an ACL that refuses MGET the store warns once and every key goes
 // through the script, with the same answers.
 TEST_CASE("auto-batching: acquire_many on AsyncRedisStore without +mget warns once, every key through the script",
@@ -384,7 +374,7 @@ TEST_CASE("auto-batching: acquire_many on AsyncRedisStore without +mget warns on
                                       "+pexpire +time +config|get +info +ping"}};
   idem::RedisOptions o;
   o.url = "redis://idem-nomget:pw@127.0.0.1:" + std::to_string(srv.port()) + "/0";
-  auto w = std::make_shared<Warnings>();
+  auto w = std::make_shared<idem::test::Warnings>();
   o.observer = w;
   IoThread io;
   idem::AsyncRedisStore store(io.io.get_executor(), o);
@@ -401,9 +391,7 @@ TEST_CASE("auto-batching: acquire_many on AsyncRedisStore without +mget warns on
     CHECK(out[0].payload == "r");
     CHECK(out[1].status == (round == 0 ? idem::AcquireStatus::acquired : idem::AcquireStatus::in_flight));
   }
-  std::lock_guard lk(w->mu);
-  CHECK(std::count_if(w->seen.begin(), w->seen.end(),
-                      [](const std::string& m) { return m.find("+mget") != std::string::npos; }) == 1);
+  CHECK(w->count("+mget") == 1);
 }
 
 // acquire_batch and complete_batch of AsyncRedisStore answer as RedisStore's do (redis_store_test's

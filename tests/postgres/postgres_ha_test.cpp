@@ -24,6 +24,7 @@
 #include "pg_pair.hpp"
 #include "pg_support.hpp"
 #include "support/tcp_proxy.hpp"
+#include "support/warnings.hpp"
 
 using namespace std::chrono_literals;
 using idem::AcquireStatus;
@@ -137,21 +138,7 @@ void check_cut(const std::pair<std::exception_ptr, double>& got, const char* wha
   CHECK(got.second < 5.0);   // but soon after: not as long as no standby attaches
 }
 
-// Collects a client's advisories.
-struct Warnings : idem::Observer {
-  std::mutex mu;
-  std::vector<std::string> seen;
-  void on_warning(std::string_view m) noexcept override {
-    std::lock_guard lk(mu);
-    seen.emplace_back(m);
-  }
-  std::string all() {
-    std::lock_guard lk(mu);
-    std::string s;
-    for (const auto& m : seen) s += m + "\n";
-    return s;
-  }
-};
+using idem::test::Warnings;
 
 }  // namespace
 

@@ -18,6 +18,7 @@
 #include "idem/redis.hpp"
 #include "redis/redis_factory.hpp"
 #include "tls_support.hpp"
+#include "support/warnings.hpp"
 
 using namespace std::chrono_literals;
 using idem::tlstest::cert;
@@ -65,13 +66,8 @@ void check_tls_refusal(const Caught& e, const std::string& says) {
   CHECK_THAT(e.what(), Catch::Contains(says));
 }
 
-struct Warnings : idem::Observer {
-  std::mutex mu;
-  std::vector<std::string> seen;
-  void on_warning(std::string_view m) noexcept override {
-    std::lock_guard lock(mu);
-    seen.emplace_back(m);
-  }
+// Advisories and store errors alike.
+struct Warnings : idem::test::Warnings {
   void on_store_error(std::string_view, const std::exception& e) noexcept override {
     std::lock_guard lock(mu);
     seen.emplace_back(e.what());
