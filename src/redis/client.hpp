@@ -291,10 +291,19 @@ private:
       if (d.next != Next::resend) std::rethrow_exception(d.error);
     }
   }
-  static const redisReply* first_error(const Single& r) { return is_error(r.reply.get()) ? r.reply.get() : nullptr; }
+  // An error reply, or the first error element of a many.lua reply (which answers one key's error
+  // in that key's place): after a resend either leaves the batch in doubt.
+  static const redisReply* error_in(const redisReply* r) {
+    if (r == nullptr || is_error(r)) return r;
+    if (r->type == REDIS_REPLY_ARRAY)
+      for (std::size_t i = 0; i < r->elements; ++i)
+        if (is_error(r->element[i])) return r->element[i];
+    return nullptr;
+  }
+  static const redisReply* first_error(const Single& r) { return error_in(r.reply.get()); }
   static const redisReply* first_error(const Many& rs) {
     for (const ReplyPtr& r : rs.replies)
-      if (is_error(r.get())) return r.get();
+      if (const redisReply* e = error_in(r.get())) return e;
     return nullptr;
   }
 

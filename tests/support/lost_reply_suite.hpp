@@ -13,6 +13,7 @@
 #include <chrono>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "idem/idem.hpp"
 #include "redis/redis_factory.hpp"
@@ -165,6 +166,26 @@ void error_reply_to_retry(T& t) {
   CHECK(t.store.acquire(t.key, params(6)).payload == "v");  // the first had run
 }
 
+// A batch (one many.lua call) whose reply was lost, and whose retry answers one key with an error:
+// that key's first sending may have run, so the batch is in doubt, as a single call would be.
+template <class T>
+void error_element_in_retried_batch(T& t) {
+  const std::string a = t.key + "-a", b = t.key + "-b";
+  auto ra = t.store.acquire(a, params(5));
+  auto rb = t.store.acquire(b, params(5));
+  const std::vector<CompleteItem> items{{a, ra.holder, "va"}, {b, rb.holder, "vb"}};
+  t.proxy.plan({{TcpProxy::Action::cut, {}}, {TcpProxy::Action::replace, "*2\r\n:1\r\n-LOADING injected by the test\r\n"}});
+  try {
+    (void)t.store.complete_batch(items, 60s);
+    FAIL("an error element in the retried batch's reply was reported as settled");
+  } catch (const outcome_unknown_error& e) {
+    CHECK(e.code() == "LOADING");
+    CHECK_FALSE(e.retryable());
+  }
+  CHECK(t.proxy.fired());
+  CHECK(t.store.acquire(b, params(6)).payload == "vb");  // the first sending had run
+}
+
 template <class T>
 void reads_not_resent(T& t) {
   t.proxy.arm(TcpProxy::Action::cut);
@@ -195,5 +216,7 @@ void reads_not_resent(T& t) {
                         "holder settles it", no_retry_possible)                                                  \
   IDEM_LOST_REPLY_CASE_(Fixture, prefix, tag, "lost reply, then an error reply to the retry: "                    \
                         "outcome_unknown_error with its code", error_reply_to_retry)                             \
+  IDEM_LOST_REPLY_CASE_(Fixture, prefix, tag, "lost batch reply, then a key's error in the retry's reply: "       \
+                        "outcome_unknown_error", error_element_in_retried_batch)                                 \
   IDEM_LOST_REPLY_CASE_(Fixture, prefix, tag, "reads are not resent: a lost inspect reply is a retryable "        \
                         "connection_error", reads_not_resent)
