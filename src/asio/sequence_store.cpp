@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "connection.hpp"
+#include "engine_store.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/hex.hpp"
 #include "idem/redis/hash_slot.hpp"
@@ -54,23 +54,23 @@ void check_pair(const AsyncRedisStore& seqs, const AsyncRedisStore& store, std::
 
 void SequenceRequests::last_applied(AsyncRedisStore& s, std::string_view entity,
                                     std::unique_ptr<Done<std::optional<std::uint64_t>>> done) {
-  send_checked(*s.engine_, done, [&] {
+  send_checked(*s.core_->engine, done, [&] {
     Command cmd = sequence_key_command("GET", s.options_, entity);
     return sequence_op<std::optional<std::uint64_t>>(
         std::move(done), [e = std::string(entity)](const redisReply* r, std::string_view) { return parse_sequence_get(r, e); },
-        cmd, Script::inspect, s.wait_, slot_of(s.options_, sequence_key(s.options_, entity)),
+        cmd, Script::inspect, s.core_->wait, slot_of(s.options_, sequence_key(s.options_, entity)),
         fmt::format("GET of the sequence of entity '{}'", detail::printable(entity)));
   });
 }
 
 void SequenceRequests::advance(AsyncRedisStore& s, std::string_view entity, std::uint64_t seq,
                                std::unique_ptr<Done<AdvanceResult>> done) {
-  send_checked(*s.engine_, done, [&] {
+  send_checked(*s.core_->engine, done, [&] {
     Command cmd = sequence_advance_command(s.options_, entity, seq);
     return sequence_op<AdvanceResult>(
         std::move(done),
         [e = std::string(entity), seq](const redisReply* r, std::string_view) { return parse_sequence_advance(r, e, seq); },
-        cmd, Script::sequence_advance, s.wait_, slot_of(s.options_, sequence_key(s.options_, entity)),
+        cmd, Script::sequence_advance, s.core_->wait, slot_of(s.options_, sequence_key(s.options_, entity)),
         fmt::format("sequence_advance of entity '{}'", detail::printable(entity)));
   });
 }
@@ -79,7 +79,7 @@ void SequenceRequests::complete_advance(AsyncRedisStore& s, const AsyncRedisStor
                                         const Holder& h, std::string_view result, millis retention,
                                         std::string_view entity, std::uint64_t seq,
                                         std::unique_ptr<Done<CompleteAdvanceResult>> done) {
-  send_checked(*s.engine_, done, [&] {
+  send_checked(*s.core_->engine, done, [&] {
     Command cmd = complete_advance_command(s.options_, key, h, result, retention, entity, seq);
     check_pair(s, record_store, key, entity);
     return sequence_op<CompleteAdvanceResult>(
@@ -87,17 +87,17 @@ void SequenceRequests::complete_advance(AsyncRedisStore& s, const AsyncRedisStor
         [k = std::string(key), e = std::string(entity), seq](const redisReply* r, std::string_view) {
           return parse_complete_advance(r, k, e, seq);
         },
-        cmd, Script::complete_advance, s.wait_, slot_of(s.options_, sequence_key(s.options_, entity)),
+        cmd, Script::complete_advance, s.core_->wait, slot_of(s.options_, sequence_key(s.options_, entity)),
         fmt::format("complete_advance of key '{}' and entity '{}'", detail::printable(key), detail::printable(entity)));
   });
 }
 
 void SequenceRequests::erase(AsyncRedisStore& s, std::string_view entity, std::unique_ptr<Done<bool>> done) {
-  send_checked(*s.engine_, done, [&] {
+  send_checked(*s.core_->engine, done, [&] {
     Command cmd = sequence_key_command("DEL", s.options_, entity);
     return sequence_op<bool>(
         std::move(done), [e = std::string(entity)](const redisReply* r, std::string_view) { return parse_sequence_del(r, e); },
-        cmd, Script::inspect, s.wait_, slot_of(s.options_, sequence_key(s.options_, entity)),
+        cmd, Script::inspect, s.core_->wait, slot_of(s.options_, sequence_key(s.options_, entity)),
         fmt::format("DEL of the sequence of entity '{}'", detail::printable(entity)));
   });
 }

@@ -372,27 +372,6 @@ ReplyPtr Client::eval_at(Script s, std::string_view req, const ReplyErrorHints& 
   return std::move(r.reply);
 }
 
-std::vector<ReplyPtr> Client::eval_many(Script s, const Pipeline& p, std::span<const int> slots,
-                                        const ReplyErrorHints& hints, Resend resend) {
-  if (cluster_) return cluster_->eval_many(s, p, slots, hints, resend);
-  return eval_many_at(s, p, hints, resend);
-}
-
-std::vector<ReplyPtr> Client::eval_many_at(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend) {
-  if (p.size() == 0) return {};
-  const bool wait = !wait_.empty() && !reads_only(s);
-  Many r = with_resend(
-      [&](Link& c) {
-        Many out;
-        out.replies.resize(p.size());
-        run_scripts(c, s, p, hints, out.replies.data(), wait ? &out.wait : nullptr);
-        return out;
-      },
-      resend, script(s).name);
-  check_acks(s, r.replies.data(), r.replies.size(), r.wait);
-  return std::move(r.replies);
-}
-
 ReplyPtr Client::call(const Request& req, const char* during, int slot) {
   if (cluster_) return cluster_->call(req, during, slot);
   return call_at(req.view(), during, false);
@@ -505,12 +484,6 @@ RedisClientStats Client::stats() const noexcept {
   return s;
 }
 
-std::shared_ptr<Client> Client::cluster_owner(int slot) { return cluster_->owner(slot); }
-
-ReplyPtr Client::cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
-                              ReplyPtr first) {
-  return cluster_->eval(s, req, hints, resend, slot, std::move(first));
-}
 
 
 int Client::slot_of(std::initializer_list<std::string_view> parts) const {

@@ -147,12 +147,6 @@ public:
   // Cluster mode: the slot of the key made of `parts` (the stores route by it); -1 otherwise.
   [[nodiscard]] int slot_of(std::initializer_list<std::string_view> parts) const;
   [[nodiscard]] bool clustered() const noexcept { return cluster_ != nullptr; }
-  // Whether RedisStore::acquire_many reads its keys with MGET before its script (store_requests.hpp).
-  DuplicatesFirst duplicates_first;
-  // Cluster mode: the master that serves `slot` now, and a routed call (Writes uses both).
-  std::shared_ptr<Client> cluster_owner(int slot);
-  ReplyPtr cluster_eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
-                        ReplyPtr first = nullptr);
   // Cluster mode: the slot map and its routing, for a caller that routes by itself (AsyncRedisStore).
   Cluster& cluster() noexcept { return *cluster_; }
 
@@ -164,24 +158,13 @@ public:
   // throws durability_error.
   // In cluster mode it runs on the master of `slot` (slot_of), following redirections.
   ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot = -1);
-  // Many EVALSHA of `s` in one write and one read pass; NOSCRIPT ones are resent after a reload.
-  // In cluster mode slots[i] routes p[i]; each node's share is one pipeline, all nodes at once.
-  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, std::span<const int> slots,
-                                  const ReplyErrorHints& hints, Resend resend);
   // One plain command (`during` names it in I/O errors); an error reply is returned. Never resent.
   ReplyPtr call(const Request& req, const char* during, int slot = -1);
   // This server only, no routing (what the cluster sends to one node); `asking` sends ASKING first.
   ReplyPtr eval_at(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, bool asking);
   ReplyPtr call_at(std::string_view req, const char* during, bool asking);
-  std::vector<ReplyPtr> eval_many_at(Script s, const Pipeline& p, const ReplyErrorHints& hints, Resend resend);
   // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip.
   ServerConfig server_config();
-
-  // The writes of one batch on one connection of this server: each request goes out when it is
-  // sent; finish() reads every answer (one WAIT after the last, with min_replica_acks). An answer
-  // lost (the connection broke) is asked again alone as the same holder, and a request that never
-  // went out is sent then, so finish() answers every request or throws. One thread.
-  class Stream;
 
   // The connection factory for a caller that drives the socket itself (AsyncRedisStore): a new
   // connection with the handshake done (TLS, AUTH, SELECT; in Sentinel mode to the master the
@@ -221,14 +204,10 @@ private:
   struct InDoubt {
     IoFailure failure;
   };
-  // A script's reply (or a batch's) and, after a write with min_replica_acks, the reply to the
+  // A script's reply and, after a write with min_replica_acks, the reply to the
   // WAIT sent with it.
   struct Single {
     ReplyPtr reply;
-    ReplyPtr wait;
-  };
-  struct Many {
-    std::vector<ReplyPtr> replies;
     ReplyPtr wait;
   };
 
@@ -291,21 +270,8 @@ private:
       if (d.next != Next::resend) std::rethrow_exception(d.error);
     }
   }
-  // An error reply, or the first error element of a many.lua reply (which answers one key's error
-  // in that key's place): after a resend either leaves the batch in doubt.
-  static const redisReply* error_in(const redisReply* r) {
-    if (r == nullptr || is_error(r)) return r;
-    if (r->type == REDIS_REPLY_ARRAY)
-      for (std::size_t i = 0; i < r->elements; ++i)
-        if (is_error(r->element[i])) return r->element[i];
-    return nullptr;
-  }
-  static const redisReply* first_error(const Single& r) { return error_in(r.reply.get()); }
-  static const redisReply* first_error(const Many& rs) {
-    for (const ReplyPtr& r : rs.replies)
-      if (const redisReply* e = error_in(r.get())) return e;
-    return nullptr;
-  }
+  // An error reply after a resend leaves the call in doubt.
+  static const redisReply* first_error(const Single& r) { return is_error(r.reply.get()) ? r.reply.get() : nullptr; }
 
   // Sends the requests `p` (and WAIT after them when `wait` is not null), reads every reply into
   // out[0..p.size()), reloads and resends NOSCRIPT ones.
@@ -357,39 +323,7 @@ private:
   Pool<Traits> pool_;
   std::unique_ptr<Cluster> cluster_;  // cluster mode: the router over one Client per master
 
-public:
-  class Stream {
-  public:
-    explicit Stream(Client& c) : c_(&c) {}
-    void send(Script s, std::string_view req);
-    std::vector<ReplyPtr> finish(const ReplyErrorHints& hints);
-    // A write could not be sent: the connection broke (or none could be had).
-    [[nodiscard]] bool broken() const noexcept { return broken_; }
-
-  private:
-    Client* c_;
-    std::unique_ptr<Pool<Traits>::Lease> lease_;
-    std::vector<std::pair<Script, std::string>> requests_;
-    std::size_t written_ = 0;  // requests written whole on lease_'s connection
-    bool broken_ = false;
-  };
 };
 
-// The writes of one batch (RedisStore::BatchWriter): one Stream, or on a cluster one per master,
-// each request routed by its key's slot; finish() answers in the order of send().
-class Writes {
-public:
-  explicit Writes(Client& c);
-  ~Writes();
-  Writes(Writes&&) noexcept;
-  void send(Script s, const Request& req, int slot);
-  std::vector<ReplyPtr> finish(const ReplyErrorHints& hints);
-  // A write could not be sent to its server (or routed): the store is not taking them now.
-  [[nodiscard]] bool broken() const noexcept;
-
-private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
 
 }  // namespace idem::detail::redis

@@ -335,78 +335,10 @@ ReplyPtr Cluster::eval(Script s, std::string_view req, const ReplyErrorHints& hi
       std::move(first));
 }
 
-std::shared_ptr<Client> Cluster::owner(int slot) {
-  try {
-    return node_of(slot);
-  } catch (const store_error& e) {
-    if (e.code() != "POOL") suspect();
-    throw;
-  }
-}
-
 ReplyPtr Cluster::call(const Request& req, const char* during, int slot) {
   return routed(slot, "the command", [&](Client& node, bool asking) { return node.call_at(req.view(), during, asking); });
 }
 
-std::vector<ReplyPtr> Cluster::eval_many(Script s, const Pipeline& p, std::span<const int> slots,
-                                         const ReplyErrorHints& hints, Resend resend) {
-  if (slots.size() != p.size()) throw usage_error("idem: internal: a Redis Cluster batch without a slot per call");
-  // Each master's share is one pipeline; the shares go to their masters at once (one thread per
-  // master beyond the first), so a batch costs the slowest node's round trip, not their sum.
-  struct Share {
-    std::shared_ptr<Client> node;
-    std::vector<std::size_t> calls;
-  };
-  std::vector<Share> shares;
-  try {
-    for (std::size_t i = 0; i < p.size(); ++i) {
-      std::shared_ptr<Client> node = node_of(slots[i]);
-      auto it = std::find_if(shares.begin(), shares.end(), [&](const Share& sh) { return sh.node == node; });
-      if (it == shares.end()) it = shares.insert(shares.end(), Share{std::move(node), {}});
-      it->calls.push_back(i);
-    }
-  } catch (const store_error& e) {
-    if (e.code() != "POOL") suspect();
-    throw;
-  }
-  std::vector<ReplyPtr> out(p.size());
-  auto run = [&](const Share& sh) {
-    Pipeline part;
-    for (std::size_t i : sh.calls) part.add(p[i]);
-    std::vector<ReplyPtr> r = sh.node->eval_many_at(s, part, hints, resend);
-    for (std::size_t k = 0; k < sh.calls.size(); ++k) out[sh.calls[k]] = std::move(r[k]);
-  };
-  std::vector<std::future<void>> others;
-  std::exception_ptr failed;
-  for (std::size_t k = 1; k < shares.size(); ++k) others.push_back(std::async(std::launch::async, run, std::cref(shares[k])));
-  try {
-    if (!shares.empty()) run(shares[0]);
-  } catch (...) {
-    failed = std::current_exception();
-  }
-  for (auto& f : others) try {
-      f.get();
-    } catch (...) {
-      if (!failed) failed = std::current_exception();
-    }
-  if (failed) {
-    try {
-      std::rethrow_exception(failed);
-    } catch (const store_error& e) {
-      if (e.code() != "POOL") suspect();
-      throw;
-    }
-  }
-  // An error reply goes through the routing's rules: a call redirected (its slot moved, or is
-  // moving) ran nothing and is sent again alone; any other is the caller's.
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    if (!is_error(out[i].get())) continue;
-    out[i] = routed(
-        slots[i], script(s).name,
-        [&](Client& node, bool asking) { return node.eval_at(s, p[i], hints, resend, asking); }, std::move(out[i]));
-  }
-  return out;
-}
 
 ServerConfig Cluster::server_config() {
   std::vector<Endpoint> masters;

@@ -51,10 +51,6 @@ public:
   // `first`: the reply a sending of `req` already had (a pipeline's), settled by the same rules.
   ReplyPtr eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
                 ReplyPtr first = nullptr);
-  // The client of the master that serves `slot` now (a batch's writes stream to it).
-  std::shared_ptr<Client> owner(int slot);
-  std::vector<ReplyPtr> eval_many(Script s, const Pipeline& p, std::span<const int> slots, const ReplyErrorHints& hints,
-                                  Resend resend);
   ReplyPtr call(const Request& req, const char* during, int slot);
   // The settings of every master, the least safe first (what RedisStore checks at construction).
   ServerConfig server_config();

@@ -1,5 +1,5 @@
-// RedisStore: formats one EVALSHA per transition (one pipelined many.lua run per 256 keys for a batch) and
-// parses the replies; the client does the rest.
+// RedisStore: the store's transitions on the engine (engine_store.hpp, AsyncRedisStore's code),
+// on a loop of its own; and what every Redis store shares: the record's parsing, the server check.
 
 #include "idem/redis/store.hpp"
 
@@ -12,7 +12,13 @@
 
 #include <fmt/format.h>
 
+#include <thread>
+
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+
 #include "client.hpp"
+#include "engine_store.hpp"
 #include "store_requests.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/hex.hpp"
@@ -278,223 +284,89 @@ StoreLimits check_server(Client& client) {
 
 }  // namespace detail::redis
 
-namespace {
+namespace detail::asio_redis {
 
-using namespace detail::redis;
-
-
-// Every script but inspect is a holder's step that recognises itself done, so a lost reply is
-// asked again as the same holder (Resend::same_holder); inspect only reads.
-Resend resend_of(Script s) { return s == Script::inspect ? Resend::never : Resend::same_holder; }
-
-// many.lua's letter for an acquire that shares the call's lease, retention and owner: 'a' without
-// a fingerprint (the token alone), 'b' with one (then acquire_args adds both).
-char acquire_step(std::string_view fingerprint) { return fingerprint.empty() ? 'a' : 'b'; }
-void acquire_args(Command& cmd, const AcquireParams& p) {
-  cmd.token(p.token);
-  if (!p.fingerprint.empty()) cmd.arg(p.fingerprint);
-}
-
-ReplyPtr run_one(Client& client, Script s, Command& cmd, std::string_view key) {
-  ReplyPtr r;
-  try {
-    r = client.eval(s, cmd.format(), store_hints, resend_of(s), client.slot_of({client.options().key_prefix, key}));
-  } catch (const outcome_unknown_error& e) {  // the client knows the script, not the key
-    throw outcome_unknown_error(fmt::format("{} (key '{}')", e.what(), printable(key)), e.code());
-  } catch (const durability_error& e) {
-    throw durability_error(fmt::format("{} (key '{}')", e.what(), printable(key)), e.acks(), e.wanted());
+// The loop a RedisStore's engine runs on: one thread of its own, which never runs a caller's
+// code (completions wake the blocked caller), so every blocking member may wait on it.
+class Loop {
+public:
+  Loop() : work_(boost::asio::make_work_guard(io_)), thread_([this] { io_.run(); }) {}
+  ~Loop() {
+    work_.reset();
+    io_.stop();  // an idle connection's timers would keep run() going
+    thread_.join();
   }
-  throw_if_error(r.get(), store_hints, [&] { return fmt::format("{} of key '{}'", script(s).name, printable(key)); });
-  return r;
-}
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+  boost::asio::any_io_executor executor() { return io_.get_executor(); }
 
-// A batch of `items`: one EVALSHA of many.lua per batch_chunk of them, pipelined (the one batch
-// format: auto-batching's calls and a store's batches carry their steps alike). `key_of(item)` is the
-// idempotency key, `encode(cmd, idx)` adds the arguments after the keys for the items at `idx`,
-// `parse(reply, item)` reads one element of a run's reply. On a cluster every script's keys
-// share one slot: the items are grouped by slot first (each group in input order), and the
-// client sends each master its share.
-template <class Out, class Item, class KeyOf, class Encode, class Parse>
-std::vector<Out> run_batch(Client& client, std::span<const Item> items, const KeyOf& key_of, const Encode& encode,
-                           const Parse& parse, std::size_t chunk = batch_chunk) {
-  constexpr Script s = Script::many;
-  const std::string_view name = script(s).name;
-  const std::string& prefix = client.options().key_prefix;
-  std::vector<std::size_t> order(items.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::vector<int> slot_of_item;
-  if (client.clustered()) {
-    slot_of_item.resize(items.size());
-    for (std::size_t i = 0; i < items.size(); ++i) slot_of_item[i] = client.slot_of({prefix, key_of(items[i])});
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::size_t a, std::size_t b) { return slot_of_item[a] < slot_of_item[b]; });
-  }
-  // Runs: [from, from + n) of `order`, one slot each on a cluster.
-  struct Run {
-    std::size_t from, n;
-  };
-  std::vector<Run> runs;
-  std::vector<int> run_slots;
-  for (std::size_t from = 0; from < order.size();) {
-    std::size_t n = 1;
-    while (from + n < order.size() && n < chunk &&
-           (slot_of_item.empty() || slot_of_item[order[from + n]] == slot_of_item[order[from]]))
-      ++n;
-    runs.push_back({from, n});
-    run_slots.push_back(slot_of_item.empty() ? -1 : slot_of_item[order[from]]);
-    from += n;
-  }
-  Pipeline pipeline;
-  for (const Run& run : runs) {
-    Command cmd = Client::evalsha(s, run.n);
-    const std::span<const std::size_t> idx(order.data() + run.from, run.n);
-    for (std::size_t i : idx) cmd.joined({prefix, key_of(items[i])});
-    encode(cmd, idx);
-    pipeline.add(cmd.format());
-  }
-  std::vector<ReplyPtr> replies;
-  try {
-    replies = client.eval_many(s, pipeline, run_slots, store_hints, resend_of(s));
-  } catch (const store_error& e) {
-    // A slot half migrated bounces a script of several of its keys between ASK (some keys left)
-    // and TRYAGAIN (some not arrived). One key per script always runs somewhere, so the batch is
-    // sent again that way; what already ran answers as done (the same token or holder asks again).
-    if (e.code() != "REDIRECTS" || chunk == 1) throw;
-    return run_batch<Out>(client, items, key_of, encode, parse, 1);
-  }
-  std::vector<std::optional<Out>> placed(items.size());
-  for (std::size_t c = 0; c < replies.size(); ++c) {
-    const redisReply* r = replies[c].get();
-    const Run& run = runs[c];
-    const std::string_view first = key_of(items[order[run.from]]);
-    throw_if_error(r, store_hints,
-                   [&] { return fmt::format("{} of {} keys from '{}'", name, run.n, printable(first)); });
-    if (r->type != REDIS_REPLY_ARRAY || r->elements != run.n) bad_reply(name, first);
-    for (std::size_t i = 0; i < run.n; ++i) {
-      const std::size_t item = order[run.from + i];
-      // many.lua answers one key's error (a damaged record, OOM) in that key's place and goes on.
-      throw_if_error(r->element[i], store_hints,
-                     [&] { return fmt::format("{} of key '{}'", name, printable(key_of(items[item]))); });
-      placed[item] = parse(r->element[i], items[item]);
-    }
-  }
-  std::vector<Out> out;
-  out.reserve(items.size());
-  for (auto& o : placed) out.push_back(std::move(*o));
-  return out;
-}
+private:
+  boost::asio::io_context io_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
+  std::thread thread_;
+};
 
-}  // namespace
+// Declared first, destroyed last: the engine is shut down (pending calls failed) before its loop stops.
+struct RedisCore {
+  RedisCore(Client& client, const std::shared_ptr<RedisClient>& owner, StoreLimits limits)
+      : store(loop.executor(), client.options(), std::shared_ptr<Client>(owner, &client), limits) {}
+  Loop loop;
+  EngineStore store;
+};
+
+}  // namespace detail::asio_redis
+
+using detail::asio_redis::BatchState;
+using detail::asio_redis::GatherSlot;
 
 RedisStore::RedisStore(RedisOptions options) : RedisStore(std::make_shared<RedisClient>(std::move(options))) {}
 
 RedisStore::RedisStore(std::shared_ptr<RedisClient> client)
-    : ClientHandle(std::move(client), "RedisStore"), limits_(check_server(impl())) {}
+    : ClientHandle(std::move(client), "RedisStore"), limits_(detail::redis::check_server(impl())),
+      core_(std::make_unique<detail::asio_redis::RedisCore>(impl(), this->client(), limits_)) {}
 
-AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) {
-  Client& c = impl();
-  Command cmd = acquire_command(c.options(), key, p);
-  return parse_acquire(run_one(c, Script::acquire, cmd, key).get(), key, p.token);
+RedisStore::~RedisStore() = default;
+RedisStore::RedisStore(RedisStore&&) noexcept = default;
+RedisStore& RedisStore::operator=(RedisStore&&) noexcept = default;
+
+detail::asio_redis::EngineStore& RedisStore::core() const {
+  (void)impl();  // usage_error on a moved-from store
+  return core_->store;
 }
 
-namespace {
-WriteStatus complete_one(Client& c, std::string_view key, const Holder& h, std::string_view text, millis retention,
-                         bool unavailable) {
-  Command cmd = complete_command(c.options(), key, h, text, retention, unavailable);
-  return parse_write(run_one(c, Script::complete, cmd, key).get(), "complete", key);
-}
-
-}  // namespace
+AcquireResult RedisStore::acquire(std::string_view key, const AcquireParams& p) { return core().acquire(key, p); }
 
 WriteStatus RedisStore::complete(std::string_view key, const Holder& h, std::string_view result, millis retention) {
-  return complete_one(impl(), key, h, result, retention, false);
+  return core().complete(key, h, result, retention);
 }
 
 WriteStatus RedisStore::complete_unavailable(std::string_view key, const Holder& h, std::string_view reason,
                                              millis retention) {
-  return complete_one(impl(), key, h, reason, retention, true);
+  return core().complete_unavailable(key, h, reason, retention);
 }
 
-WriteStatus RedisStore::fail(std::string_view key, const Holder& h, const FailParams& f) {
-  Client& c = impl();
-  Command cmd = fail_command(c.options(), key, h, f);
-  return parse_write(run_one(c, Script::fail, cmd, key).get(), "fail", key);
-}
+WriteStatus RedisStore::fail(std::string_view key, const Holder& h, const FailParams& f) { return core().fail(key, h, f); }
 
-namespace {
-// A completed record is final (docs/design.md: never overwritten; only its retention, a purge or
-// an operator's release ends it), so reading it is deciding its acquire: the answer the script
-// would give, at the instant of the read. One MGET per 256 keys answers a batch's duplicates for
-// about a sixth of the script's server time per key; the usual completed records (the ones
-// completed_reply in record.lua answers with the record itself) are read here, anything else goes
-// through many.lua. Empty when the batch goes wholly to the script: on a cluster (its keys
-// span slots, and MGET takes one), or when DuplicatesFirst says the read is not worth its round trip.
-std::vector<std::optional<AcquireResult>> duplicates_first(Client& c, std::span<const AcquireRequest> requests) {
-  if (c.clustered() || !c.duplicates_first.wanted()) return {};
-  std::vector<std::optional<AcquireResult>> known(requests.size());
-  for (std::size_t from = 0; from < requests.size(); from += batch_chunk) {
-    const auto chunk = requests.subspan(from, std::min(batch_chunk, requests.size() - from));
-    ReplyPtr r = c.call(mget_command(c.options(), chunk).format(), "MGET");
-    if (is_error(r.get())) {
-      if (error_code(reply_text(r.get())) != "NOPERM")
-        throw_if_error(r.get(), store_hints, [] { return std::string("MGET"); });
-      if (c.duplicates_first.refuse()) warn_mget_refused(c.options(), reply_text(r.get()));
-      return {};
-    }
-    read_mget(r.get(), chunk, known.data() + from);
-  }
-  const bool found = std::any_of(known.begin(), known.end(), [](const auto& k) { return k.has_value(); });
-  c.duplicates_first.read(found);
-  if (!found) return {};
-  return known;
-}
-}  // namespace
+WriteStatus RedisStore::extend(std::string_view key, const Holder& h, millis lease) { return core().extend(key, h, lease); }
+
+std::optional<Record> RedisStore::inspect(std::string_view key) { return core().inspect(key); }
 
 std::vector<AcquireResult> RedisStore::acquire_many(std::span<const AcquireRequest> requests) {
-  if (requests.empty()) return {};
-  const AcquireParams& first = requests.front().params;
-  bool shared = true;
-  for (const AcquireRequest& r : requests) {
-    detail::check_acquire(r.key, r.params);
-    check_fingerprint(r.params);
-    shared = shared && r.params.lease == first.lease && r.params.retention == first.retention &&
-             r.params.owner == first.owner;
-  }
-  if (!shared) {  // not the guard's way: one call each
-    std::vector<AcquireResult> out;
-    for (const AcquireRequest& r : requests) out.push_back(acquire(r.key, r.params));
-    return out;
-  }
-  const std::string_view owner = first.owner.substr(0, 255);
-  auto acquire_each = [&](std::span<const AcquireRequest> reqs) {
-    return run_batch<AcquireResult>(
-        impl(), reqs, [](const AcquireRequest& r) { return r.key; },
-        [&](Command& cmd, std::span<const std::size_t> idx) {
-          std::string steps;
-          for (std::size_t i : idx) steps += acquire_step(reqs[i].params.fingerprint);
-          cmd.joined({steps}).arg(first.lease.count()).arg(first.retention.count()).arg(owner);
-          for (std::size_t i : idx) acquire_args(cmd, reqs[i].params);
-        },
-        [](const redisReply* r, const AcquireRequest& req) { return parse_acquire(r, req.key, req.params.token); });
-  };
-  std::vector<std::optional<AcquireResult>> known = duplicates_first(impl(), requests);
-  if (known.empty()) return acquire_each(requests);
-  std::vector<AcquireRequest> rest;
-  for (std::size_t i = 0; i < requests.size(); ++i)
-    if (!known[i]) rest.push_back(requests[i]);
-  std::vector<AcquireResult> decided = rest.empty() ? std::vector<AcquireResult>{} : acquire_each(rest);
-  std::vector<AcquireResult> out;
-  out.reserve(requests.size());
-  std::size_t next = 0;
-  for (auto& k : known) out.push_back(k ? std::move(*k) : std::move(decided[next++]));
-  return out;
+  return core().acquire_many(requests);
 }
 
+std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p) {
+  return core().acquire_batch(keys, p);
+}
+
+std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem> items, millis retention) {
+  return core().complete_batch(items, retention);
+}
 
 struct RedisStore::BatchWriter::Impl {
-  Client* client;
-  Writes writes;
-  std::vector<std::pair<std::string, const char*>> made;  // key and step, for messages
+  detail::asio_redis::EngineStore* store;
+  std::shared_ptr<BatchState> state = std::make_shared<BatchState>();
+  ~Impl() { state->wait(); }  // the requests' views (keys, results) are the caller's until sent
 };
 
 RedisStore::BatchWriter::BatchWriter(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -504,80 +376,28 @@ RedisStore::BatchWriter::~BatchWriter() = default;
 
 void RedisStore::BatchWriter::complete(std::string_view key, const Holder& h, std::string_view result,
                                        millis retention) {
-  Client& c = *impl_->client;
-  Command cmd = complete_command(c.options(), key, h, result, retention, false);
-  impl_->writes.send(Script::complete, cmd.format(), c.slot_of({c.options().key_prefix, key}));
-  impl_->made.emplace_back(std::string(key), "complete");
+  auto& s = impl_->state;
+  impl_->store->submit_complete(key, h, result, retention, false, std::make_unique<GatherSlot<WriteStatus>>(s, s->add()));
 }
 
 void RedisStore::BatchWriter::fail(std::string_view key, const Holder& h, const FailParams& f) {
-  Client& c = *impl_->client;
-  Command cmd = fail_command(c.options(), key, h, f);
-  impl_->writes.send(Script::fail, cmd.format(), c.slot_of({c.options().key_prefix, key}));
-  impl_->made.emplace_back(std::string(key), "fail");
+  auto& s = impl_->state;
+  impl_->store->submit_fail(key, h, f, std::make_unique<GatherSlot<WriteStatus>>(s, s->add()));
 }
 
 std::vector<WriteStatus> RedisStore::BatchWriter::finish() {
-  std::vector<ReplyPtr> replies = impl_->writes.finish(store_hints);
-  std::vector<WriteStatus> out;
-  out.reserve(replies.size());
-  for (std::size_t i = 0; i < replies.size(); ++i) {
-    const std::string& key = impl_->made[i].first;
-    const char* step = impl_->made[i].second;
-    throw_if_error(replies[i].get(), store_hints, [&] { return fmt::format("{} of key '{}'", step, printable(key)); });
-    out.push_back(parse_write(replies[i].get(), step, key));
-  }
+  auto out = impl_->state->finish();
+  impl_->state = std::make_shared<BatchState>();  // the writer may be used again
   return out;
 }
 
-bool RedisStore::BatchWriter::broken() const noexcept { return impl_->writes.broken(); }
+bool RedisStore::BatchWriter::broken() const noexcept { return impl_->state->failed.load(); }
 
 RedisStore::BatchWriter RedisStore::batch_writer() {
-  Client& c = impl();
-  return BatchWriter(std::unique_ptr<BatchWriter::Impl>(new BatchWriter::Impl{&c, Writes(c), {}}));
+  return BatchWriter(std::unique_ptr<BatchWriter::Impl>(new BatchWriter::Impl{&core()}));
 }
 
-WriteStatus RedisStore::extend(std::string_view key, const Holder& h, millis lease) {
-  Client& c = impl();
-  Command cmd = extend_command(c.options(), key, h, lease);
-  return parse_write(run_one(c, Script::extend, cmd, key).get(), "extend", key);
-}
-
-std::optional<Record> RedisStore::inspect(std::string_view key) {
-  Client& c = impl();
-  Command cmd = inspect_command(c.options(), key);
-  return parse_inspect(run_one(c, Script::inspect, cmd, key).get(), key);
-}
-
-std::vector<AcquireResult> RedisStore::acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p) {
-  for (std::string_view k : keys) detail::check_acquire(k, p);
-  check_fingerprint(p);
-  const std::string_view owner = p.owner.substr(0, 255);
-  std::vector<AcquireResult> out = run_batch<AcquireResult>(
-      impl(), keys, [](std::string_view k) { return k; },
-      [&](Command& cmd, std::span<const std::size_t> idx) {
-        cmd.joined({std::string(idx.size(), acquire_step(p.fingerprint))})
-            .arg(p.lease.count())
-            .arg(p.retention.count())
-            .arg(owner);
-        for (std::size_t i = 0; i < idx.size(); ++i) acquire_args(cmd, p);
-      },
-      [&](const redisReply* r, std::string_view k) { return parse_acquire(r, k, p.token); });
-  one_holder_per_key(keys, out, p.lease);
-  return out;
-}
-
-std::vector<WriteStatus> RedisStore::complete_batch(std::span<const CompleteItem> items, millis retention) {
-  detail::check_lease(retention, "retention");
-  for (const CompleteItem& it : items) detail::check_holder(it.key, it.holder);
-  return run_batch<WriteStatus>(
-      impl(), items, [](const CompleteItem& it) { return it.key; },
-      [&](Command& cmd, std::span<const std::size_t> idx) {
-        cmd.joined({std::string(idx.size(), 'c')}).arg("").arg(retention.count()).arg("");
-        for (std::size_t i : idx) cmd.arg(items[i].holder.fence).token(items[i].holder.token).arg(items[i].result);
-      },
-      [](const redisReply* r, const CompleteItem& it) { return parse_write(r, "complete_batch", it.key); });
-}
+AsyncRedisStats RedisStore::stats() const noexcept { return core_ ? core_->store.stats() : AsyncRedisStats{}; }
 
 std::string RedisStore::redis_key(std::string_view key) const { return impl().options().key_prefix + std::string(key); }
 

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <netinet/in.h>
@@ -322,26 +323,49 @@ TEST_CASE("redis ACL user without CONFIG: the policy check warns instead of fail
   }
 }
 
-TEST_CASE("redis pool exhausted: callers wait pool.wait, then timeout_error", "[redis][fault]") {
+TEST_CASE("redis pool exhausted: RedisSequenceStore callers wait pool.wait, then timeout_error", "[redis][fault]") {
   RedisServer server;
   RedisOptions o = server.options();
   o.pool.size = 1;
   o.pool.wait = 100ms;
   o.command_timeout = 3s;
-  RedisStore store(o);
-  // Hold the only connection in a slow call: pause the server so the call blocks.
+  idem::RedisSequenceStore seqs(o);
+  // Hold the only pooled connection in a slow call: pause the server so the call blocks.
   server.command({"CLIENT", "PAUSE", "800", "ALL"});
   std::atomic<bool> slow_ok{false};  // Catch2 assertions are not thread-safe: check after join
   std::thread slow([&] {
     try {
-      store.inspect("slow-" + idem::test::random_hex());
+      (void)seqs.last_applied("slow-" + idem::test::random_hex());
       slow_ok = true;
     } catch (...) {
     }
   });
   std::this_thread::sleep_for(200ms);
-  CHECK_THROWS_AS(store.inspect("other"), idem::timeout_error);
+  CHECK_THROWS_AS(seqs.last_applied("other"), idem::timeout_error);
   slow.join();
   CHECK(slow_ok.load());
-  CHECK_NOTHROW(store.inspect("other"));
+  CHECK_NOTHROW(seqs.last_applied("other"));
+}
+
+TEST_CASE("redis store calls behind a slow one share its connection, no pool to wait for", "[redis][fault]") {
+  RedisServer server;
+  RedisOptions o = server.options();
+  o.pool.size = 1;
+  o.pool.wait = 100ms;  // the pool's: RedisStore's calls do not take pooled connections
+  o.command_timeout = 3s;
+  RedisStore store(o);
+  server.command({"CLIENT", "PAUSE", "800", "ALL"});
+  std::atomic<int> answered{0};
+  std::vector<std::thread> calls;
+  for (int i = 0; i < 4; ++i)
+    calls.emplace_back([&, i] {
+      try {
+        (void)store.inspect("slow-" + std::to_string(i) + "-" + idem::test::random_hex());
+        ++answered;
+      } catch (...) {
+      }
+    });
+  for (auto& t : calls) t.join();
+  CHECK(answered.load() == 4);
+  CHECK(store.stats().connects == 1);
 }

@@ -24,36 +24,11 @@
 #include "idem/core/store.hpp"
 #include "idem/detail/warning_relay.hpp"
 #include "idem/redis/options.hpp"
+#include "idem/redis/transport.hpp"
 
 namespace idem {
 
-/// What an AsyncRedisStore's connection has done so far (each counter only grows).
-struct AsyncRedisStats {
-  std::uint64_t requests = 0;    ///< requests sent (scripts, and the handshake's)
-  std::uint64_t writes = 0;      ///< socket writes that carried them: requests / writes is the pipelining
-  std::uint64_t connects = 0;    ///< connections opened (the first, then one per reconnect)
-  std::uint64_t resent = 0;      ///< requests whose reply was lost, sent again as the same holder
-  std::uint64_t reloads = 0;     ///< NOSCRIPT answers that reloaded a script
-  std::uint64_t coalesced = 0;   ///< steps sent inside one script call with other callers' (auto-batching)
-  std::uint64_t health_checks = 0;    ///< PINGs sent on a connection idle for health_check_interval
-  std::uint64_t health_failures = 0;  ///< of them, unanswered within command_timeout: the connection was dropped
-};
-
-namespace detail::redis {
-class DuplicatesFirst;
-}  // namespace detail::redis
-
 namespace detail::asio_redis {
-
-/// One request's completion, type-erased so the connection is compiled once (the .cpp) while the
-/// handler stays whatever the caller's completion token made (callback, coroutine, future).
-template <class T>
-struct Done {
-  virtual ~Done() = default;
-  virtual void complete(std::exception_ptr e, T value) = 0;
-  /// True for a caller blocked on the answer: its request may be written and read on its own thread.
-  [[nodiscard]] virtual bool waits_here() const noexcept { return false; }
-};
 
 template <class T, class Handler>
 class DoneWith final : public Done<T> {
@@ -75,7 +50,7 @@ private:
   boost::asio::executor_work_guard<boost::asio::associated_executor_t<Handler, boost::asio::any_io_executor>> work_;
 };
 
-class Engine;
+class EngineStore;
 struct BatchState;
 struct SequenceRequests;
 
@@ -262,16 +237,12 @@ private:
   void submit_fail(std::string_view key, const Holder& h, const FailParams& f, DonePtr<WriteStatus> done);
   void submit_extend(std::string_view key, const Holder& h, millis lease, DonePtr<WriteStatus> done);
   void submit_inspect(std::string_view key, DonePtr<std::optional<Record>> done);
-  // acquire_many's first round trip (RedisStore's too): the duplicates a read decides.
-  std::vector<std::optional<AcquireResult>> duplicates_first(std::span<const AcquireRequest> requests);
 
   executor_type ex_;
   RedisOptions options_;
   StoreLimits limits_;
-  std::string wait_;  // `WAIT n timeout`, sent after each write with min_replica_acks; else empty
-  std::shared_ptr<detail::asio_redis::Engine> engine_;
-  // Whether acquire_many reads its keys with MGET first (src/redis/store_requests.hpp).
-  std::unique_ptr<detail::redis::DuplicatesFirst> duplicates_first_;
+  // The transitions on the engine, RedisStore's code (src/redis/engine_store.hpp).
+  std::unique_ptr<detail::asio_redis::EngineStore> core_;
 };
 
 }  // namespace idem

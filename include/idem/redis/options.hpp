@@ -72,7 +72,8 @@ struct RedisOptions {
   millis command_timeout{1'000};
   /// TLS for every connection (the handshake is bounded by connect_timeout); off by default.
   RedisTlsOptions tls{};
-  /// The connection pool (idem/core/pool_options.hpp): size > 0, wait >= 0 (0 = fail at once).
+  /// RedisClient's connection pool (idem/core/pool_options.hpp), which RedisSequenceStore's calls
+  /// take; RedisStore's go on their own multiplexed connection. size > 0, wait >= 0 (0 = fail at once).
   PoolOptions pool{};
   /// A RedisStore refuses (store_error, code `EVICTION`) a server whose `maxmemory` > 0 with a
   /// `maxmemory-policy` other than `noeviction`: it could evict live idempotency records, and their
@@ -104,12 +105,12 @@ struct RedisOptions {
   int min_replica_acks = 0;
   /// How long WAIT waits for min_replica_acks; > 0 and below command_timeout.
   millis replica_ack_timeout{500};
-  /// Auto-batching (AsyncRedisStore, for now): the most one-key steps (acquire, complete, fail,
+  /// Auto-batching (RedisStore, AsyncRedisStore): the most one-key steps (acquire, complete, fail,
   /// extend) of different callers that go out as one script call when they queue behind a write in
   /// flight; each caller gets the answer its own call would have had. A lone call goes out at once.
   /// 1 = off (a script call per step); 1..1024 (docs/async.md, "Auto-batching").
   std::size_t auto_batch = 128;
-  /// AsyncRedisStore: a connection idle this long sends PING; no answer within command_timeout
+  /// RedisStore, AsyncRedisStore: a connection idle this long sends PING; no answer within command_timeout
   /// drops it, so the next call connects afresh instead of waiting out a dead peer (a host gone
   /// without a FIN, a partition) and ending in doubt. 0 = off; >= 0.
   millis health_check_interval{15'000};

@@ -15,15 +15,25 @@
 #include "idem/core/store.hpp"
 #include "idem/redis/client.hpp"
 #include "idem/redis/options.hpp"
+#include "idem/redis/transport.hpp"
 
 namespace idem {
+
+namespace detail::asio_redis {
+class EngineStore;
+struct RedisCore;
+}  // namespace detail::asio_redis
 
 /**
  * StateStore on a Redis server. Each transition is one Lua script run with EVALSHA —
  * one round trip, atomic on the server, timed by the server's `TIME` — and the scripts reload
- * themselves after `SCRIPT FLUSH` or a restart. A thin object over a RedisClient (its own, or one
- * shared with other stores; client() gives it). Thread-safe, move-only (a moved-from store throws
- * usage_error).
+ * themselves after `SCRIPT FLUSH` or a restart. Its calls travel on one multiplexed connection per
+ * server (per master on a cluster), the transport AsyncRedisStore uses, driven by a thread of the
+ * store's own: a caller that finds the connection idle writes and reads on its own thread (one
+ * call in flight costs no hand-off), concurrent callers' steps are pipelined and auto-batched
+ * (RedisOptions::auto_batch). The RedisClient it is built over (its own, or one shared with other
+ * stores; client() gives it) checks the server at construction and opens the connections; its
+ * pool serves RedisSequenceStore. Thread-safe, move-only (a moved-from store throws usage_error).
  * Errors fail closed: connection_error / timeout_error (retryable), capacity_error (OOM under
  * noeviction), store_error with the Redis error prefix as code(), corrupt_record_error. A write
  * whose reply was lost is sent once more as the same holder (the scripts answer a step already
@@ -46,6 +56,9 @@ public:
   explicit RedisStore(RedisOptions options = {});
   /// A store over a client shared with other stores (e.g. a RedisSequenceStore); checks the server as above.
   explicit RedisStore(std::shared_ptr<RedisClient> client);
+  ~RedisStore();                                   ///< Fails calls still pending, closes the store's connection.
+  RedisStore(RedisStore&&) noexcept;               ///< Movable; the moved-from store throws usage_error.
+  RedisStore& operator=(RedisStore&&) noexcept;    ///< Movable.
 
   /// Atomic acquire in one round trip; see AcquireStatus for the outcomes.
   AcquireResult acquire(std::string_view key, const AcquireParams& p);
@@ -62,17 +75,17 @@ public:
   /// in_progress (it is diagnostics for a live holder; dropping it keeps retained records small).
   std::optional<Record> inspect(std::string_view key);
 
-  /// Decides each request exactly as acquire() would, in one round trip (BatchStore): each with its
-  /// own token and fingerprint, one acquire_each script per 256 keys (per slot on a cluster),
-  /// pipelined; results in request order. Requests that differ in lease, retention or owner are
-  /// sent one script each. On an error reply it throws after reading every reply; keys acquired
-  /// before it lapse after their lease (fail closed).
+  /// Decides each request exactly as acquire() would (BatchStore): completed records are read
+  /// first with one MGET per 256 keys (skipped for 7 batches after one that found none), the rest
+  /// leave at once as many.lua calls of up to auto_batch steps (per slot on a cluster), pipelined;
+  /// results in request order. On an error it throws after every answer; keys acquired meanwhile
+  /// lapse after their lease (fail closed).
   std::vector<AcquireResult> acquire_many(std::span<const AcquireRequest> requests);
 
-  /// The writes of one batch (BatchWriter): complete() and fail() send their request at once on a
-  /// connection held for the batch (on a cluster, one per master) and return; finish() reads
-  /// every answer, one WAIT after the last with min_replica_acks, statuses in the order of the
-  /// writes. An answer lost is asked again alone as the same holder. One thread.
+  /// The writes of one batch (BatchWriter): complete() and fail() send their request at once
+  /// (auto-batched with what else is queued; with min_replica_acks each call carries its WAIT)
+  /// and return; finish() waits for every answer, statuses in the order of the writes. An answer
+  /// lost is asked again as the same holder. One thread.
   class BatchWriter {
   public:
     BatchWriter(BatchWriter&&) noexcept;             ///< Movable.
@@ -96,13 +109,12 @@ public:
   /// A writer for one batch (BatchStore).
   BatchWriter batch_writer();
 
-  /// Acquires many keys in one round trip, all with `p` (same lease, token, fingerprint): one
-  /// script run per 256 keys (per slot on a cluster), pipelined; each key decided exactly as by
-  /// acquire(). Results are in key order. On an error reply it throws after reading every reply;
+  /// Acquires many keys, all with `p` (same lease, token, fingerprint), as acquire_many does;
+  /// each key decided exactly as by acquire(). Results are in key order. On an error reply it throws after reading every reply;
   /// keys acquired before it lapse after their lease (fail closed). The guard's run_batch uses
   /// acquire_many (a token per message) instead.
   std::vector<AcquireResult> acquire_batch(std::span<const std::string_view> keys, const AcquireParams& p);
-  /// Completes many keys in one round trip (as acquire_batch); statuses in item order.
+  /// Completes many keys, pipelined and auto-batched as acquire_many; statuses in item order.
   std::vector<WriteStatus> complete_batch(std::span<const CompleteItem> items, millis retention);
 
   /// Operational diagnostics: the Redis key that holds `key`'s record (key_prefix + key,
@@ -114,8 +126,14 @@ public:
   /// when unreadable) less 1 MiB for the other arguments (and, for keys, the key prefix).
   [[nodiscard]] StoreLimits limits() const noexcept { return limits_; }
 
+  /// Counters of the store's connections (thread-safe): requests, writes, reconnects, resends,
+  /// steps coalesced with other callers'.
+  [[nodiscard]] AsyncRedisStats stats() const noexcept;
+
 private:
+  detail::asio_redis::EngineStore& core() const;
   StoreLimits limits_;
+  std::unique_ptr<detail::asio_redis::RedisCore> core_;
 };
 
 static_assert(StateStore<RedisStore>);

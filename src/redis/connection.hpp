@@ -1,6 +1,6 @@
 #pragma once
-// Internal to idem_asio: AsyncRedisStore's one connection (connection.cpp) and the request it
-// carries (Op). The store (redis_store.cpp) formats requests and parses replies exactly as
+// Internal to idem_redis: the Redis stores' one connection (connection.cpp) and the request it
+// carries (Op). The store (engine_store.cpp) formats requests and parses replies exactly as
 // RedisStore does; the connection only moves them: queued while a write is under way, written
 // together, replies matched in order, lost ones resent once as the same holder.
 
@@ -16,7 +16,8 @@
 #include <boost/asio/any_io_executor.hpp>
 
 #include "client.hpp"
-#include "idem/asio/redis_store.hpp"
+#include "idem/redis/options.hpp"
+#include "idem/redis/transport.hpp"
 #include "reply_machine.hpp"
 #include "scripts.hpp"
 
