@@ -13,6 +13,7 @@
 #include "idem/core/hex.hpp"
 #include "idem/core/validate.hpp"
 #include "idem/redis/hash_slot.hpp"
+#include "sequence_requests.hpp"
 #include "store_requests.hpp"
 
 namespace idem::detail::asio_redis {
@@ -36,6 +37,30 @@ std::unique_ptr<Op> request(DonePtr<T> done, Parse parse, Command& cmd, Script s
   return op;
 }
 
+// The slot of a key of the store's namespace (-1 off a cluster).
+int slot_of(const RedisOptions& o, std::string_view prefixed) {
+  return o.cluster_nodes.empty() ? -1 : redis_hash_slot(prefixed);
+}
+
+// A sequence request. `resend`: a lost reply is asked again as the same holder (complete_advance,
+// which recognises itself done), else it is in doubt (advance: a second run would answer "not
+// advanced") or plainly retryable (GET, DEL: Script::inspect, which also sends no WAIT).
+template <class T, class Parse>
+std::unique_ptr<Op> sequence_op(DonePtr<T> done, Parse parse, Command& cmd, Script s, const std::string& wait,
+                                int slot, std::string label) {
+  auto op = std::make_unique<Call<T, Parse>>(std::move(done), std::move(parse));
+  op->bytes.assign(cmd.format().view());
+  op->slot = slot;
+  op->script = s;
+  op->label = std::move(label);
+  op->hints = &sequence_hints;
+  op->same_holder = s == Script::complete_advance;
+  if (!wait.empty() && !reads_only(s)) {
+    op->bytes += wait;
+    op->waits = true;
+  }
+  return op;
+}
 
 }  // namespace
 
@@ -224,6 +249,59 @@ std::vector<WriteStatus> EngineStore::complete_batch(std::span<const CompleteIte
   if (!ops.empty()) submit(*engine, std::move(ops));
   g->wait();
   return g->take();
+}
+
+void EngineStore::check_complete_advance(std::string_view key, std::string_view entity, const char* unpaired) const {
+  if (unpaired) throw usage_error(unpaired);
+  (void)check_advance_slot(slot_of(options, options.key_prefix + std::string(key)),
+                           slot_of(options, sequence_key(options, entity)), key, entity);
+}
+
+void EngineStore::submit_last_applied(std::string_view entity, DonePtr<std::optional<std::uint64_t>> done) {
+  send_checked(*engine, done, [&] {
+    Command cmd = sequence_key_command("GET", options, entity);
+    return sequence_op<std::optional<std::uint64_t>>(
+        std::move(done), [e = std::string(entity)](const redisReply* r, std::string_view) { return parse_sequence_get(r, e); },
+        cmd, Script::inspect, wait, slot_of(options, sequence_key(options, entity)),
+        fmt::format("GET of the sequence of entity '{}'", detail::printable(entity)));
+  });
+}
+
+void EngineStore::submit_advance(std::string_view entity, std::uint64_t seq, DonePtr<AdvanceResult> done) {
+  send_checked(*engine, done, [&] {
+    Command cmd = sequence_advance_command(options, entity, seq);
+    return sequence_op<AdvanceResult>(
+        std::move(done),
+        [e = std::string(entity), seq](const redisReply* r, std::string_view) { return parse_sequence_advance(r, e, seq); },
+        cmd, Script::sequence_advance, wait, slot_of(options, sequence_key(options, entity)),
+        fmt::format("sequence_advance of entity '{}'", detail::printable(entity)));
+  });
+}
+
+void EngineStore::submit_complete_advance(std::string_view key, const Holder& h, std::string_view result,
+                                          millis retention, std::string_view entity, std::uint64_t seq,
+                                          const char* unpaired, DonePtr<CompleteAdvanceResult> done) {
+  send_checked(*engine, done, [&] {
+    Command cmd = complete_advance_command(options, key, h, result, retention, entity, seq);
+    check_complete_advance(key, entity, unpaired);
+    return sequence_op<CompleteAdvanceResult>(
+        std::move(done),
+        [k = std::string(key), e = std::string(entity), seq](const redisReply* r, std::string_view) {
+          return parse_complete_advance(r, k, e, seq);
+        },
+        cmd, Script::complete_advance, wait, slot_of(options, sequence_key(options, entity)),
+        fmt::format("complete_advance of key '{}' and entity '{}'", detail::printable(key), detail::printable(entity)));
+  });
+}
+
+void EngineStore::submit_erase(std::string_view entity, DonePtr<bool> done) {
+  send_checked(*engine, done, [&] {
+    Command cmd = sequence_key_command("DEL", options, entity);
+    return sequence_op<bool>(
+        std::move(done), [e = std::string(entity)](const redisReply* r, std::string_view) { return parse_sequence_del(r, e); },
+        cmd, Script::inspect, wait, slot_of(options, sequence_key(options, entity)),
+        fmt::format("DEL of the sequence of entity '{}'", detail::printable(entity)));
+  });
 }
 
 }  // namespace idem::detail::asio_redis

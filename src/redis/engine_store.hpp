@@ -12,14 +12,18 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
 
 #include "connection.hpp"
 #include "idem/core/batch_store.hpp"
 #include "idem/core/record.hpp"
 #include "idem/core/store.hpp"
+#include "idem/sequence/sequence_store.hpp"
 
 namespace idem::detail::asio_redis {
 
@@ -115,6 +119,18 @@ public:
   std::vector<WriteStatus> complete_batch(std::span<const CompleteItem> items, millis retention);
   AsyncRedisStats stats() const noexcept;
 
+  // The sequence store's requests (sequence_requests.hpp) on this engine. `unpaired`, when not
+  // null, is the usage_error complete_advance answers (its record store on another connection).
+  void submit_last_applied(std::string_view entity, DonePtr<std::optional<std::uint64_t>> done);
+  void submit_advance(std::string_view entity, std::uint64_t seq, DonePtr<AdvanceResult> done);
+  void submit_complete_advance(std::string_view key, const Holder& h, std::string_view result, millis retention,
+                               std::string_view entity, std::uint64_t seq, const char* unpaired,
+                               DonePtr<CompleteAdvanceResult> done);
+  void submit_erase(std::string_view entity, DonePtr<bool> done);
+  // What submit_complete_advance refuses before sending: `unpaired`, or on a cluster the key and
+  // the entity's sequence in two slots.
+  void check_complete_advance(std::string_view key, std::string_view entity, const char* unpaired) const;
+
   const RedisOptions options;
   const StoreLimits limits;
   const std::string wait;  // `WAIT n timeout`, sent after each write with min_replica_acks; else empty
@@ -124,6 +140,35 @@ private:
   // acquire_many's first round trip: the duplicates a read decides.
   std::vector<std::optional<AcquireResult>> duplicates_first(std::span<const AcquireRequest> requests);
   std::unique_ptr<DuplicatesFirst> duplicates_first_;
+};
+
+// The loop a blocking store's engine runs on (RedisStore, RedisSequenceStore): one thread of its
+// own, which never runs a caller's code (completions wake the blocked caller), so every blocking
+// member may wait on it.
+class Loop {
+public:
+  Loop() : work_(boost::asio::make_work_guard(io_)), thread_([this] { io_.run(); }) {}
+  ~Loop() {
+    work_.reset();
+    io_.stop();  // an idle connection's timers would keep run() going
+    thread_.join();
+  }
+  Loop(const Loop&) = delete;
+  Loop& operator=(const Loop&) = delete;
+  boost::asio::any_io_executor executor() { return io_.get_executor(); }
+
+private:
+  boost::asio::io_context io_;
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
+  std::thread thread_;
+};
+
+// Declared first, destroyed last: the engine is shut down (pending calls failed) before its loop stops.
+struct RedisCore {
+  RedisCore(Client& client, const std::shared_ptr<RedisClient>& owner, StoreLimits limits)
+      : store(loop.executor(), client.options(), std::shared_ptr<Client>(owner, &client), limits) {}
+  Loop loop;
+  EngineStore store;
 };
 
 }  // namespace idem::detail::asio_redis

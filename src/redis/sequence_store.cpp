@@ -1,6 +1,6 @@
 // RedisSequenceStore: one EVALSHA of sequence_advance.lua per advance (complete_advance.lua for a
-// RedisStore completion and the advance together), GET and DEL for the rest, on a client shared
-// with the RedisStore it completes for.
+// RedisStore completion and the advance together), GET and DEL for the rest, on the engine
+// (engine_store.cpp, AsyncRedisSequenceStore's code); and the requests both faces send.
 
 #include "idem/redis/sequence_store.hpp"
 
@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "client.hpp"
+#include "engine_store.hpp"
 #include "sequence_requests.hpp"
 #include "idem/core/error.hpp"
 #include "idem/core/hex.hpp"
@@ -156,86 +157,59 @@ int check_advance_slot(int key_slot, int entity_slot, std::string_view key, std:
 
 }  // namespace detail::redis
 
-namespace {
+using detail::asio_redis::EngineStore;
+using detail::asio_redis::RedisCore;
+using detail::asio_redis::wait_for;
 
-using namespace detail::redis;
-using detail::printable;
-
-// The cluster slot of the entity's key (-1 off a cluster).
-int entity_slot(const Client& client, std::string_view entity) {
-  return client.slot_of({client.options().key_prefix, "seq:{", entity, "}"});
+RedisSequenceStore::RedisSequenceStore(RedisStore& store)
+    : ClientHandle(store.client(), "RedisSequenceStore"), core_(store.core_) {
+  (void)store.core();  // usage_error for a moved-from store
 }
-
-// complete_advance is a holder's step that recognises itself done (a retried one completes
-// nothing and its compare-and-set does not advance an equal sequence), so a lost reply is asked
-// again; sequence_advance is not resent: a second run would report "not advanced".
-template <class What>
-ReplyPtr run(Client& client, Script s, Command& cmd, int slot, const What& what) {
-  const Resend resend = s == Script::complete_advance ? Resend::same_holder : Resend::never;
-  ReplyPtr r = client.eval(s, cmd.format(), sequence_hints, resend, slot);
-  throw_if_error(r.get(), sequence_hints, what);
-  return r;
-}
-
-// GET and DEL of the entity's key: one plain command.
-ReplyPtr key_command(Client& client, const char* name, std::string_view entity) {
-  Command cmd = sequence_key_command(name, client.options(), entity);
-  ReplyPtr r = client.call(cmd.format(), "to the command", entity_slot(client, entity));
-  throw_if_error(r.get(), sequence_hints, key_what(name, entity));
-  return r;
-}
-
-}  // namespace
-
-RedisSequenceStore::RedisSequenceStore(RedisStore& store) : RedisSequenceStore(store.client()) {}
 RedisSequenceStore::RedisSequenceStore(std::shared_ptr<RedisClient> client)
-    : ClientHandle(std::move(client), "RedisSequenceStore") {}
+    : ClientHandle(std::move(client), "RedisSequenceStore"),
+      core_(std::make_shared<RedisCore>(impl(), this->client(), StoreLimits{})) {}
 RedisSequenceStore::RedisSequenceStore(RedisOptions options)
     : RedisSequenceStore(std::make_shared<RedisClient>(std::move(options))) {}
 
+RedisSequenceStore::~RedisSequenceStore() = default;
+RedisSequenceStore::RedisSequenceStore(RedisSequenceStore&&) noexcept = default;
+RedisSequenceStore& RedisSequenceStore::operator=(RedisSequenceStore&&) noexcept = default;
+
+EngineStore& RedisSequenceStore::core() const {
+  (void)impl();  // usage_error on a moved-from store
+  return core_->store;
+}
+
+// One script writes both keys, so both stores must run on one client (hence one server and db).
+const char* RedisSequenceStore::unpaired(const RedisStore& store) const {
+  return store.client() == client() ? nullptr
+                                    : "idem: this RedisSequenceStore and the RedisStore it completes for run on "
+                                      "different RedisClients; build the sequence store from the store "
+                                      "(RedisSequenceStore{store})";
+}
+
 std::optional<std::uint64_t> RedisSequenceStore::last_applied(std::string_view entity) {
-  ReplyPtr r = key_command(impl(), "GET", entity);
-  return parse_sequence_get(r.get(), entity);
+  return wait_for<std::optional<std::uint64_t>>([&](auto w) { core().submit_last_applied(entity, std::move(w)); });
 }
 
 AdvanceResult RedisSequenceStore::advance(std::string_view entity, std::uint64_t seq) {
-  Client& c = impl();
-  Command cmd = sequence_advance_command(c.options(), entity, seq);
-  ReplyPtr r = run(c, Script::sequence_advance, cmd, entity_slot(c, entity),
-                   [&] { return fmt::format("sequence_advance of entity '{}'", printable(entity)); });
-  return parse_sequence_advance(r.get(), entity, seq);
+  return wait_for<AdvanceResult>([&](auto w) { core().submit_advance(entity, seq, std::move(w)); });
 }
 
 CompleteAdvanceResult RedisSequenceStore::complete_advance(RedisStore& store, std::string_view key, const Holder& h,
                                                           std::string_view result, millis retention,
                                                           std::string_view entity, std::uint64_t seq) {
-  Client& c = impl();
-  Command cmd = complete_advance_command(c.options(), key, h, result, retention, entity, seq);
-  const int slot = checked_slot(store, key, entity);
-  ReplyPtr r = run(c, Script::complete_advance, cmd, slot, [&] {
-    return fmt::format("complete_advance of key '{}' and entity '{}'", printable(key), printable(entity));
+  return wait_for<CompleteAdvanceResult>([&](auto w) {
+    core().submit_complete_advance(key, h, result, retention, entity, seq, unpaired(store), std::move(w));
   });
-  return parse_complete_advance(r.get(), key, entity, seq);
-}
-
-// The checks complete_advance makes before sending; the slot both keys share (-1 off a cluster).
-int RedisSequenceStore::checked_slot(RedisStore& store, std::string_view key, std::string_view entity) const {
-  Client& c = impl();
-  // One script writes both keys, so both stores must run on one client (hence one server and db).
-  if (store.client() != client())
-    throw usage_error("idem: this RedisSequenceStore and the RedisStore it completes for run on different "
-                      "RedisClients; build the sequence store from the store (RedisSequenceStore{store})");
-  // On a cluster the two keys must share a slot, which the entity's hash tag in the key gives.
-  return check_advance_slot(c.slot_of({c.options().key_prefix, key}), entity_slot(c, entity), key, entity);
 }
 
 void RedisSequenceStore::check_complete_advance(RedisStore& store, std::string_view key, std::string_view entity) {
-  (void)checked_slot(store, key, entity);
+  core().check_complete_advance(key, entity, unpaired(store));
 }
 
 bool RedisSequenceStore::erase(std::string_view entity) {
-  ReplyPtr r = key_command(impl(), "DEL", entity);
-  return parse_sequence_del(r.get(), entity);
+  return wait_for<bool>([&](auto w) { core().submit_erase(entity, std::move(w)); });
 }
 
 std::string RedisSequenceStore::sequence_key(std::string_view entity) const {

@@ -12,11 +12,6 @@
 
 #include <fmt/format.h>
 
-#include <thread>
-
-#include <boost/asio/executor_work_guard.hpp>
-#include <boost/asio/io_context.hpp>
-
 #include "client.hpp"
 #include "engine_store.hpp"
 #include "store_requests.hpp"
@@ -284,37 +279,6 @@ StoreLimits check_server(Client& client) {
 
 }  // namespace detail::redis
 
-namespace detail::asio_redis {
-
-// The loop a RedisStore's engine runs on: one thread of its own, which never runs a caller's
-// code (completions wake the blocked caller), so every blocking member may wait on it.
-class Loop {
-public:
-  Loop() : work_(boost::asio::make_work_guard(io_)), thread_([this] { io_.run(); }) {}
-  ~Loop() {
-    work_.reset();
-    io_.stop();  // an idle connection's timers would keep run() going
-    thread_.join();
-  }
-  Loop(const Loop&) = delete;
-  Loop& operator=(const Loop&) = delete;
-  boost::asio::any_io_executor executor() { return io_.get_executor(); }
-
-private:
-  boost::asio::io_context io_;
-  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
-  std::thread thread_;
-};
-
-// Declared first, destroyed last: the engine is shut down (pending calls failed) before its loop stops.
-struct RedisCore {
-  RedisCore(Client& client, const std::shared_ptr<RedisClient>& owner, StoreLimits limits)
-      : store(loop.executor(), client.options(), std::shared_ptr<Client>(owner, &client), limits) {}
-  Loop loop;
-  EngineStore store;
-};
-
-}  // namespace detail::asio_redis
 
 using detail::asio_redis::BatchState;
 using detail::asio_redis::GatherSlot;
@@ -323,7 +287,7 @@ RedisStore::RedisStore(RedisOptions options) : RedisStore(std::make_shared<Redis
 
 RedisStore::RedisStore(std::shared_ptr<RedisClient> client)
     : ClientHandle(std::move(client), "RedisStore"), limits_(detail::redis::check_server(impl())),
-      core_(std::make_unique<detail::asio_redis::RedisCore>(impl(), this->client(), limits_)) {}
+      core_(std::make_shared<detail::asio_redis::RedisCore>(impl(), this->client(), limits_)) {}
 
 RedisStore::~RedisStore() = default;
 RedisStore::RedisStore(RedisStore&&) noexcept = default;

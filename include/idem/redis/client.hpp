@@ -53,14 +53,17 @@ private:
 }  // namespace detail::redis
 
 /**
- * A pool of connections to one Redis server with idem's Lua scripts loaded: what every Redis
- * store runs on. Build it once and hand it to each store, so the idempotency store and the
- * sequence store share one pool and are on the same server by construction:
+ * One Redis server (or Sentinel-resolved master, or cluster) with idem's Lua scripts loaded: what
+ * every Redis store is built on. The stores open their multiplexed connections through it (URL,
+ * TLS, AUTH, SELECT, Sentinel, the slot map); its pool serves StreamsConsumer, the Streams
+ * publisher, RedisAdmin and the server check. Build it once and hand it to each store, so they
+ * are on the same server by construction; a sequence store built from the store also shares the
+ * store's connection:
  *
  * @code
  * auto redis = std::make_shared<idem::RedisClient>(idem::RedisOptions{.url = "redis://127.0.0.1:6379/0"});
  * idem::RedisStore store{redis};
- * idem::RedisSequenceStore seqs{redis};
+ * idem::RedisSequenceStore seqs{store};
  * @endcode
  *
  * The constructor checks the options (invalid_options_error naming the field), connects once,

@@ -25,8 +25,10 @@ namespace idem {
  * way (`{acct-42}:evt-9`) lands in the entity's slot. An entity containing `}` ends its tag early
  * (the key is still distinct per entity, the slot is then that of the prefix of the entity).
  *
- * A thin object over a RedisClient, normally the one of the RedisStore it completes for (build it
- * from that store), so both share one pool and one server; key_prefix is the client's.
+ * Its calls travel on the one Redis engine, as RedisStore's: built from a RedisStore it sends on
+ * that store's connection (and loop thread), so both are on one server and a gate's advance may
+ * leave auto-batched with the guard's steps; built from a client or options it opens a connection
+ * of its own. key_prefix is the client's.
  * Thread-safe, move-only (a moved-from store throws usage_error). Errors fail closed, typed like RedisStore's: connection_error /
  * timeout_error (retryable), capacity_error (OOM), store_error with the Redis error prefix as
  * code(), corrupt_record_error (the key holds something else), invalid_entity_error (empty or
@@ -42,9 +44,9 @@ namespace idem {
  */
 class RedisSequenceStore : public detail::redis::ClientHandle {
 public:
-  /// Over the client of `store` (shared, not copied): what complete_advance(store, ...) requires.
+  /// On the client and connection of `store` (shared, not copied): what complete_advance(store, ...) requires.
   explicit RedisSequenceStore(RedisStore& store);
-  /// Over a client shared with other stores.
+  /// Over a client shared with other stores, on a connection of its own.
   explicit RedisSequenceStore(std::shared_ptr<RedisClient> client);
   /// Builds its own RedisClient (connects once to fail fast). Throws invalid_options_error,
   /// connection_error / timeout_error, or store_error (e.g. WRONGPASS, NOPERM). It cannot
@@ -72,13 +74,18 @@ public:
   /// For tests and for deleting an entity for good, never to "fix" a stale event.
   bool erase(std::string_view entity);
 
-private:
-  int checked_slot(RedisStore& store, std::string_view key, std::string_view entity) const;
-
-public:
   /// Operational diagnostics: the Redis key that holds `entity`'s sequence
   /// (key_prefix + "seq:{" + entity + "}", binary-safe), for redis-cli.
   [[nodiscard]] std::string sequence_key(std::string_view entity) const;
+
+  ~RedisSequenceStore();  ///< Closes its connection when it is the last store on it.
+  RedisSequenceStore(RedisSequenceStore&&) noexcept;             ///< Movable; the moved-from store throws usage_error.
+  RedisSequenceStore& operator=(RedisSequenceStore&&) noexcept;  ///< Movable.
+
+private:
+  detail::asio_redis::EngineStore& core() const;
+  const char* unpaired(const RedisStore& store) const;
+  std::shared_ptr<detail::asio_redis::RedisCore> core_;
 };
 
 static_assert(SequenceStore<RedisSequenceStore>);

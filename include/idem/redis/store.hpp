@@ -131,9 +131,10 @@ public:
   [[nodiscard]] AsyncRedisStats stats() const noexcept;
 
 private:
+  friend class RedisSequenceStore;  // built from a store, it sends on the store's connection
   detail::asio_redis::EngineStore& core() const;
   StoreLimits limits_;
-  std::unique_ptr<detail::asio_redis::RedisCore> core_;
+  std::shared_ptr<detail::asio_redis::RedisCore> core_;
 };
 
 static_assert(StateStore<RedisStore>);
