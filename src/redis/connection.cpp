@@ -490,6 +490,7 @@ std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const Redis
 }
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
 void call(Connection& c, std::unique_ptr<Op> op) { c.call(std::move(op)); }
+void call(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.call(std::move(ops)); }
 void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.submit(std::move(ops)); }
 void shutdown(Connection& c) { c.shutdown(); }
 AsyncRedisStats stats(const Connection& c) noexcept { return c.stats(); }

@@ -155,6 +155,9 @@ void submit(Connection& c, std::unique_ptr<Op> op);
 // A blocked caller's `op`: written and read on the calling thread when the connection is idle
 // (finish() runs there), else submitted. Never from the loop's own threads: it may wait on the socket.
 void call(Connection& c, std::unique_ptr<Op> op);
+// A blocked caller's batch: on the calling thread as one coalesced call when its steps fit one
+// and the connection is idle, else submitted.
+void call(Connection& c, std::vector<std::unique_ptr<Op>> ops);
 void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops);
 // Fails every pending request and closes the socket (the store is going away).
 void shutdown(Connection& c);
@@ -173,6 +176,8 @@ void submit(Engine& e, std::unique_ptr<Op> op);
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops);
 // A blocked caller's `op` (call above), to the server or the master of op->slot.
 void call(Engine& e, std::unique_ptr<Op> op);
+// A blocked caller's batch (call above); in cluster mode it is submitted, split per master.
+void call(Engine& e, std::vector<std::unique_ptr<Op>> ops);
 void shutdown(Engine& e);
 AsyncRedisStats stats(const Engine& e) noexcept;
 

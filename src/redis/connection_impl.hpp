@@ -53,6 +53,9 @@ public:
 
   // A blocked caller's request, on its own thread when the connection is parked, else queued.
   void call(std::unique_ptr<Op> op);
+  // A blocked caller's batch: as call(), as one coalesced `many` call, when its steps fit one
+  // (one slot, at most auto_batch of them, each a step many.lua takes); else queued.
+  void call(std::vector<std::unique_ptr<Op>> ops);
 
   // Any thread: the op joins the queue on the strand.
   void submit(std::unique_ptr<Op> op);

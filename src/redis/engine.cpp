@@ -46,6 +46,10 @@ public:
     if (single_) return asio_redis::call(*single_, std::move(op));
     route(std::move(op), nullptr, true);
   }
+  void call(std::vector<std::unique_ptr<Op>> ops) {
+    if (single_) return asio_redis::call(*single_, std::move(ops));
+    submit(std::move(ops));
+  }
   // Cluster mode: one post per master, so each master's share leaves coalesced (per slot).
   void submit(std::vector<std::unique_ptr<Op>> ops) {
     if (single_) return asio_redis::submit(*single_, std::move(ops));
@@ -207,6 +211,7 @@ std::shared_ptr<Engine> make_engine(net::any_io_executor ex, const RedisOptions&
 void submit(Engine& e, std::unique_ptr<Op> op) { e.submit(std::move(op)); }
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.submit(std::move(ops)); }
 void call(Engine& e, std::unique_ptr<Op> op) { e.call(std::move(op)); }
+void call(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.call(std::move(ops)); }
 std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e) { return e.blocked(); }
 void shutdown(Engine& e) { e.shutdown(); }
 AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }

@@ -62,6 +62,27 @@ std::unique_ptr<Op> sequence_op(DonePtr<T> done, Parse parse, Command& cmd, Scri
   return op;
 }
 
+// A blocking batch's count among the store's blocked callers, held until its answers are in (as a
+// Waiter's is): alone, its requests go as call() sends them (on the caller's thread, as one
+// coalesced call, when the connection is idle); with others blocked they queue with theirs.
+class BlockedBatch {
+public:
+  explicit BlockedBatch(Engine& e)
+      : engine_(e), count_(blocked_callers(e)), alone_(count_->fetch_add(1, std::memory_order_relaxed) == 0) {}
+  ~BlockedBatch() { count_->fetch_sub(1, std::memory_order_relaxed); }
+  BlockedBatch(const BlockedBatch&) = delete;
+  BlockedBatch& operator=(const BlockedBatch&) = delete;
+  void send(std::vector<std::unique_ptr<Op>> ops) {
+    if (alone_) return call(engine_, std::move(ops));
+    submit(engine_, std::move(ops));
+  }
+
+private:
+  Engine& engine_;
+  std::shared_ptr<std::atomic<int>> count_;
+  bool alone_;
+};
+
 }  // namespace
 
 std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits) {
@@ -173,7 +194,8 @@ std::vector<std::optional<AcquireResult>> EngineStore::duplicates_first(std::spa
     op->label = fmt::format("MGET of {} keys from '{}'", chunk.size(), detail::printable(chunk.front().key));
     ops.push_back(std::move(op));
   }
-  submit(*engine, std::move(ops));
+  BlockedBatch blocked(*engine);
+  blocked.send(std::move(ops));
   g->wait();
   Known known;
   try {
@@ -212,7 +234,8 @@ std::vector<AcquireResult> EngineStore::acquire_many(std::span<const AcquireRequ
     });
     if (e) done->complete(e, AcquireResult{});  // bad input: that request's error, nothing sent for it
   }
-  if (!ops.empty()) submit(*engine, std::move(ops));
+  BlockedBatch blocked(*engine);
+  if (!ops.empty()) blocked.send(std::move(ops));
   g->wait();
   std::vector<AcquireResult> decided = g->take();
   if (known.empty()) return decided;
@@ -246,7 +269,8 @@ std::vector<WriteStatus> EngineStore::complete_batch(std::span<const CompleteIte
         [](const redisReply* r, std::string_view k) { return parse_write(r, "complete_batch", k); }, cmd,
         Script::complete, wait, options, it.key));
   }
-  if (!ops.empty()) submit(*engine, std::move(ops));
+  BlockedBatch blocked(*engine);
+  if (!ops.empty()) blocked.send(std::move(ops));
   g->wait();
   return g->take();
 }

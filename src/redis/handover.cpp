@@ -41,6 +41,22 @@ void Connection::call(std::unique_ptr<Op> op) {
   run_here(std::move(op));
 }
 
+void Connection::call(std::vector<std::unique_ptr<Op>> ops) {
+  if (ops.size() == 1) return call(std::move(ops.front()));
+  bool one_call = ops.size() > 1 && opt_.auto_batch > 1 && ops.size() <= opt_.auto_batch;
+  std::size_t bytes = 0;
+  for (const auto& op : ops) {
+    one_call = one_call && op->step != 0 && !op->attempt.resent && !op->asking && !op->solo &&
+               op->slot == ops.front()->slot && op->waits == ops.front()->waits;
+    bytes += op->script_end - op->key_at;
+  }
+  Owner parked = Owner::parked;
+  if (!one_call || bytes >= max_coalesced_bytes ||
+      !owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel))
+    return submit(std::move(ops));
+  run_here(coalesce(std::move(ops), opt_, where_, coalesced_));
+}
+
 void Connection::run_here(std::unique_ptr<Op> op) {
   if (!quiet())
     return hand_back(std::move(op), false,
