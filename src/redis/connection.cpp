@@ -491,6 +491,11 @@ std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const Redis
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
 void call(Connection& c, std::unique_ptr<Op> op) { c.call(std::move(op)); }
 void call(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.call(std::move(ops)); }
+bool try_call(Connection& c, std::unique_ptr<Op>& op) { return c.try_call(op); }
+bool try_call(Connection& c, std::vector<std::unique_ptr<Op>>& ops) { return c.try_call(ops); }
+bool fits_one_call(const std::vector<std::unique_ptr<Op>>& ops, const RedisOptions& o) noexcept {
+  return Connection::fits_one_call(ops, o);
+}
 void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.submit(std::move(ops)); }
 void shutdown(Connection& c) { c.shutdown(); }
 AsyncRedisStats stats(const Connection& c) noexcept { return c.stats(); }

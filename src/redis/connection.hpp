@@ -158,6 +158,11 @@ void call(Connection& c, std::unique_ptr<Op> op);
 // A blocked caller's batch: on the calling thread as one coalesced call when its steps fit one
 // and the connection is idle, else submitted.
 void call(Connection& c, std::vector<std::unique_ptr<Op>> ops);
+// As call(), but false, the request(s) left with the caller, when the connection is not idle (or
+// `ops` do not fit one coalesced call: fits_one_call).
+bool try_call(Connection& c, std::unique_ptr<Op>& op);
+bool try_call(Connection& c, std::vector<std::unique_ptr<Op>>& ops);
+bool fits_one_call(const std::vector<std::unique_ptr<Op>>& ops, const RedisOptions& o) noexcept;
 void submit(Connection& c, std::vector<std::unique_ptr<Op>> ops);
 // Fails every pending request and closes the socket (the store is going away).
 void shutdown(Connection& c);
@@ -184,19 +189,22 @@ AsyncRedisStats stats(const Engine& e) noexcept;
 
 // The engine's count of blocked callers waiting for an answer (send_checked).
 std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e);
+// How many blocked callers at once the engine serves each on a connection of its own (its lanes:
+// pool.size off a cluster, 1 on one); past that they are multiplexed.
+int lanes(const Engine& e) noexcept;
 
-// Sends the request `make` builds for `done`. A blocked caller alone in the store (no other
-// blocked call pending) goes through call(), on its own thread when the connection is idle; with
-// others pending it queues on the loop with them, so their steps leave coalesced rather than one
-// after another behind a caller's own round trip. Input errors (make throws) complete `done` and
-// send nothing.
+// Sends the request `make` builds for `done`. A blocked caller among the first lanes(e) pending
+// goes through call(): on its own thread on an idle connection of the engine's (a lane); with more
+// pending it queues on the loop with them, so their steps leave coalesced rather than one after
+// another behind a caller's own round trip. Input errors (make throws) complete `done` and send
+// nothing.
 template <class T, class Make>
 void send_checked(Engine& e, DonePtr<T>& done, Make&& make) {
   bool alone = false;
   if (done->waits_here()) {  // a Waiter: the only Done that waits here
     auto& w = static_cast<Waiter<T>&>(*done);
     w.blocked = blocked_callers(e);
-    alone = w.blocked->fetch_add(1, std::memory_order_relaxed) == 0;
+    alone = w.blocked->fetch_add(1, std::memory_order_relaxed) < lanes(e);
   }
   std::unique_ptr<Op> op;
   if (std::exception_ptr x = capture([&] { op = make(); })) return done->complete(x, T{});

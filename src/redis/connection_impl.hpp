@@ -54,8 +54,14 @@ public:
   // A blocked caller's request, on its own thread when the connection is parked, else queued.
   void call(std::unique_ptr<Op> op);
   // A blocked caller's batch: as call(), as one coalesced `many` call, when its steps fit one
-  // (one slot, at most auto_batch of them, each a step many.lua takes); else queued.
+  // (fits_one_call); else queued.
   void call(std::vector<std::unique_ptr<Op>> ops);
+  // As call(), but false (the op left with the caller) when the connection is not parked.
+  bool try_call(std::unique_ptr<Op>& op);
+  bool try_call(std::vector<std::unique_ptr<Op>>& ops);
+  // One op, or steps that one `many` call carries: one slot, at most auto_batch of them, each a
+  // step many.lua takes, under max_coalesced_bytes.
+  static bool fits_one_call(const std::vector<std::unique_ptr<Op>>& ops, const RedisOptions& o) noexcept;
 
   // Any thread: the op joins the queue on the strand.
   void submit(std::unique_ptr<Op> op);

@@ -1,6 +1,7 @@
-// AsyncRedisStore's engine (connection.hpp): the one connection to a server (plain, TLS,
-// Sentinel), or in cluster mode one connection per node, each request sent to the master of its
-// key's slot. A request answered MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back
+// The Redis stores' engine (connection.hpp): off a cluster, connections to the server (plain,
+// TLS, Sentinel) — the first carries the async callers' requests, and each (a lane, pool.size of
+// them, opened on first use) serves a blocked caller on its own thread while idle; in cluster mode
+// one connection per node, each request sent to the master of its key's slot. A request answered MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back
 // here and it goes where the answer says (MOVED also fixes the slot map), at most max_redirects
 // times.
 //
@@ -35,7 +36,11 @@ class Engine final : public Routing, public std::enable_shared_from_this<Engine>
 public:
   Engine(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> client)
       : ex_(std::move(ex)), opt_(o), client_(std::move(client)) {
-    if (!client_->clustered()) single_ = make_connection(ex_, opt_, client_);
+    if (client_->clustered()) return;
+    // Lanes: connections made now, each opened when it is first given a request.
+    for (std::size_t i = 0; i < std::max<std::size_t>(1, opt_.pool.size); ++i)
+      lanes_.push_back(make_connection(ex_, opt_, client_));
+    single_ = lanes_.front();
   }
 
   void submit(std::unique_ptr<Op> op) {
@@ -43,13 +48,14 @@ public:
     route(std::move(op), nullptr);
   }
   void call(std::unique_ptr<Op> op) {
-    if (single_) return asio_redis::call(*single_, std::move(op));
+    if (single_) return call_lane(op);
     route(std::move(op), nullptr, true);
   }
   void call(std::vector<std::unique_ptr<Op>> ops) {
-    if (single_) return asio_redis::call(*single_, std::move(ops));
+    if (single_ && fits_one_call(ops, opt_)) return call_lane(ops);
     submit(std::move(ops));
   }
+  int lanes() const noexcept { return single_ ? static_cast<int>(lanes_.size()) : 1; }
   // Cluster mode: one post per master, so each master's share leaves coalesced (per slot).
   void submit(std::vector<std::unique_ptr<Op>> ops) {
     if (single_) return asio_redis::submit(*single_, std::move(ops));
@@ -72,7 +78,10 @@ public:
   }
 
   void shutdown() {
-    if (single_) return asio_redis::shutdown(*single_);
+    if (single_) {
+      for (auto& lane : lanes_) asio_redis::shutdown(*lane);
+      return;
+    }
     std::unordered_map<std::string, std::shared_ptr<Connection>> nodes;
     {
       std::lock_guard lk(mu_);
@@ -83,10 +92,13 @@ public:
   }
 
   AsyncRedisStats stats() const noexcept {
-    if (single_) return asio_redis::stats(*single_);
+    std::vector<std::shared_ptr<Connection>> conns = lanes_;
+    if (!single_) {
+      std::lock_guard lk(mu_);
+      for (const auto& [_, conn] : nodes_) conns.push_back(conn);
+    }
     AsyncRedisStats sum;
-    std::lock_guard lk(mu_);
-    for (const auto& [_, conn] : nodes_) {
+    for (const auto& conn : conns) {
       const AsyncRedisStats s = asio_redis::stats(*conn);
       sum.requests += s.requests;
       sum.writes += s.writes;
@@ -148,6 +160,19 @@ private:
 
   Cluster& map() noexcept { return client_->cluster(); }
 
+  // A blocked caller's request(s) off a cluster: on the first idle lane, on the caller's thread;
+  // else to a lane not opened yet (it opens, then serves callers as the others do); else queued
+  // on the first, multiplexed with the async callers'.
+  template <class Ops>
+  void call_lane(Ops& ops) {
+    std::size_t open = opened_.load(std::memory_order_acquire);
+    for (std::size_t i = 0; i < open; ++i)
+      if (asio_redis::try_call(*lanes_[i], ops)) return;
+    while (open < lanes_.size() && !opened_.compare_exchange_weak(open, open + 1, std::memory_order_acq_rel)) {
+    }
+    asio_redis::submit(open < lanes_.size() ? *lanes_[open] : *single_, std::move(ops));
+  }
+
   // To the master of op->slot, or to `ask_to` (ASK); `here`: a blocked caller's (call). A routing
   // failure (no master for the slot in the map, the store being destroyed) is the call's error,
   // in doubt if it was a resend.
@@ -196,7 +221,9 @@ private:
   net::any_io_executor ex_;
   RedisOptions opt_;
   std::shared_ptr<Client> client_;      // the factory, and in cluster mode the slot map
-  std::shared_ptr<Connection> single_;  // not in cluster mode: the one connection
+  std::shared_ptr<Connection> single_;  // not in cluster mode: the first lane, the async callers' connection
+  std::vector<std::shared_ptr<Connection>> lanes_;  // not in cluster mode: pool.size connections, made at once
+  std::atomic<std::size_t> opened_{0};  // lanes_[0, opened_) have been given blocked callers' requests
   mutable std::mutex mu_;               // cluster mode: guards nodes_ and closed_
   std::unordered_map<std::string, std::shared_ptr<Connection>> nodes_;  // by "host:port"
   bool closed_ = false;
@@ -212,6 +239,7 @@ void submit(Engine& e, std::unique_ptr<Op> op) { e.submit(std::move(op)); }
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.submit(std::move(ops)); }
 void call(Engine& e, std::unique_ptr<Op> op) { e.call(std::move(op)); }
 void call(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.call(std::move(ops)); }
+int lanes(const Engine& e) noexcept { return e.lanes(); }
 std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e) { return e.blocked(); }
 void shutdown(Engine& e) { e.shutdown(); }
 AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }

@@ -68,7 +68,7 @@ std::unique_ptr<Op> sequence_op(DonePtr<T> done, Parse parse, Command& cmd, Scri
 class BlockedBatch {
 public:
   explicit BlockedBatch(Engine& e)
-      : engine_(e), count_(blocked_callers(e)), alone_(count_->fetch_add(1, std::memory_order_relaxed) == 0) {}
+      : engine_(e), count_(blocked_callers(e)), alone_(count_->fetch_add(1, std::memory_order_relaxed) < lanes(e)) {}
   ~BlockedBatch() { count_->fetch_sub(1, std::memory_order_relaxed); }
   BlockedBatch(const BlockedBatch&) = delete;
   BlockedBatch& operator=(const BlockedBatch&) = delete;

@@ -36,25 +36,39 @@ bool wait_fd(int fd, short events, Clock::time_point deadline) noexcept {
 }  // namespace
 
 void Connection::call(std::unique_ptr<Op> op) {
-  Owner parked = Owner::parked;
-  if (!owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel)) return submit(std::move(op));
-  run_here(std::move(op));
+  if (!try_call(op)) submit(std::move(op));
 }
 
 void Connection::call(std::vector<std::unique_ptr<Op>> ops) {
-  if (ops.size() == 1) return call(std::move(ops.front()));
-  bool one_call = ops.size() > 1 && opt_.auto_batch > 1 && ops.size() <= opt_.auto_batch;
+  if (!try_call(ops)) submit(std::move(ops));
+}
+
+bool Connection::try_call(std::unique_ptr<Op>& op) {
+  Owner parked = Owner::parked;
+  if (!owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel)) return false;
+  run_here(std::move(op));
+  return true;
+}
+
+bool Connection::fits_one_call(const std::vector<std::unique_ptr<Op>>& ops, const RedisOptions& o) noexcept {
+  if (ops.size() == 1) return true;
+  bool one_call = ops.size() > 1 && o.auto_batch > 1 && ops.size() <= o.auto_batch;
   std::size_t bytes = 0;
   for (const auto& op : ops) {
     one_call = one_call && op->step != 0 && !op->attempt.resent && !op->asking && !op->solo &&
                op->slot == ops.front()->slot && op->waits == ops.front()->waits;
     bytes += op->script_end - op->key_at;
   }
+  return one_call && bytes < max_coalesced_bytes;
+}
+
+bool Connection::try_call(std::vector<std::unique_ptr<Op>>& ops) {
+  if (ops.size() == 1) return try_call(ops.front());
+  if (!fits_one_call(ops, opt_)) return false;
   Owner parked = Owner::parked;
-  if (!one_call || bytes >= max_coalesced_bytes ||
-      !owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel))
-    return submit(std::move(ops));
+  if (!owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel)) return false;
   run_here(coalesce(std::move(ops), opt_, where_, coalesced_));
+  return true;
 }
 
 void Connection::run_here(std::unique_ptr<Op> op) {

@@ -152,9 +152,12 @@ TEST_CASE("run_async: 1000 runs in flight on one thread and one connection, each
   CHECK(2 * st.writes <= 3 * keys);
 }
 
-TEST_CASE("AsyncRedisStore: blocking calls from 16 threads share one connection", "[asio]") {
-  AsyncRedisFactory f;
-  idem::IdempotencyGuard guard{f.store(), {.lease = 10s, .retention = 60s}};
+TEST_CASE("AsyncRedisStore: blocking calls from 16 threads share one connection (pool.size 1: one lane)", "[asio]") {
+  IoThread io;
+  idem::RedisOptions o = AsyncRedisFactory::server().options();
+  o.pool.size = 1;  // no lanes beside the first: every caller past the first is multiplexed
+  idem::AsyncRedisStore store{io.io.get_executor(), o};
+  idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 60s}};
   const std::string ns = "threads-" + random_hex() + ":";
   std::atomic<int> ran{0};
   std::vector<std::thread> threads;
@@ -164,8 +167,8 @@ TEST_CASE("AsyncRedisStore: blocking calls from 16 threads share one connection"
     });
   for (auto& t : threads) t.join();
   CHECK(ran == 800);
-  CHECK(f.store().stats().connects == 1);
-  CHECK(f.store().stats().coalesced > 0);  // auto-batching: threads' steps shared script calls
+  CHECK(store.stats().connects == 1);
+  CHECK(store.stats().coalesced > 0);  // auto-batching: threads' steps shared script calls
 }
 
 // A blocked caller that finds the connection idle writes and reads on its own thread: with the

@@ -346,6 +346,30 @@ TEST_CASE("redis store calls behind a slow one share its connection, no pool to 
   CHECK(store.stats().connects == 1);
 }
 
+TEST_CASE("redis store: overlapping blocked callers each get a lane up to pool.size, the rest share the first",
+          "[redis][fault]") {
+  RedisServer server;
+  RedisOptions o = server.options();
+  o.pool.size = 3;
+  o.command_timeout = 3s;
+  RedisStore store(o);
+  server.command({"CLIENT", "PAUSE", "800", "ALL"});
+  std::atomic<int> answered{0};
+  std::vector<std::thread> calls;
+  for (int i = 0; i < 6; ++i)
+    calls.emplace_back([&, i] {
+      try {
+        (void)store.inspect("lane-" + std::to_string(i) + "-" + idem::test::random_hex());
+        ++answered;
+      } catch (...) {
+      }
+    });
+  for (auto& t : calls) t.join();
+  CHECK(answered.load() == 6);
+  CHECK(store.stats().connects == 3);  // three lanes opened, never more than pool.size
+  CHECK(store.stats().requests == 6);
+}
+
 TEST_CASE("redis sequence store calls behind a slow one share the store's connection, no pool to wait for",
           "[redis][fault]") {
   RedisServer server;

@@ -55,6 +55,7 @@ TEST_CASE("AsyncRedisStore over TLS: coalesced calls, a stopped server, a broken
   IoThread io;
   idem::RedisOptions o = AsyncTlsFactory::options();
   o.command_timeout = 500ms;
+  o.pool.size = 1;  // one lane: concurrent blocked callers are multiplexed on the one connection
   idem::AsyncRedisStore store{io.io.get_executor(), o};
   idem::IdempotencyGuard guard{store, {.lease = 10s, .retention = 60s}};
   const std::string ns = "atls-" + idem::test::random_hex() + ":";

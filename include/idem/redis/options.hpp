@@ -72,8 +72,9 @@ struct RedisOptions {
   millis command_timeout{1'000};
   /// TLS for every connection (the handshake is bounded by connect_timeout); off by default.
   RedisTlsOptions tls{};
-  /// RedisClient's connection pool (idem/core/pool_options.hpp), which RedisSequenceStore's calls
-  /// take; RedisStore's go on their own multiplexed connection. size > 0, wait >= 0 (0 = fail at once).
+  /// RedisClient's connection pool (idem/core/pool_options.hpp), for StreamsConsumer and RedisAdmin;
+  /// `size` is also how many blocked callers a store serves at once each on an idle connection of
+  /// its own (its lanes; more are multiplexed). size > 0, wait >= 0 (0 = fail at once).
   PoolOptions pool{};
   /// A RedisStore refuses (store_error, code `EVICTION`) a server whose `maxmemory` > 0 with a
   /// `maxmemory-policy` other than `noeviction`: it could evict live idempotency records, and their

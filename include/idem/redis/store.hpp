@@ -29,11 +29,11 @@ struct RedisCore;
  * one round trip, atomic on the server, timed by the server's `TIME` — and the scripts reload
  * themselves after `SCRIPT FLUSH` or a restart. Its calls travel on one multiplexed connection per
  * server (per master on a cluster), the transport AsyncRedisStore uses, driven by a thread of the
- * store's own: a caller that finds the connection idle writes and reads on its own thread (one
- * call in flight costs no hand-off), concurrent callers' steps are pipelined and auto-batched
- * (RedisOptions::auto_batch). The RedisClient it is built over (its own, or one shared with other
- * stores; client() gives it) checks the server at construction and opens the connections; its
- * pool serves RedisSequenceStore. Thread-safe, move-only (a moved-from store throws usage_error).
+ * store's own: a caller that finds a connection idle writes and reads on its own thread (no
+ * hand-off; off a cluster up to pool.size callers at once, each on a connection opened for it),
+ * callers past that are pipelined and auto-batched on the first (RedisOptions::auto_batch). The
+ * RedisClient it is built over (its own, or one shared with other stores; client() gives it)
+ * checks the server at construction and opens the connections. Thread-safe, move-only (a moved-from store throws usage_error).
  * Errors fail closed: connection_error / timeout_error (retryable), capacity_error (OOM under
  * noeviction), store_error with the Redis error prefix as code(), corrupt_record_error. A write
  * whose reply was lost is sent once more as the same holder (the scripts answer a step already
