@@ -323,26 +323,33 @@ TEST_CASE("redis ACL user without CONFIG: the policy check warns instead of fail
   }
 }
 
-TEST_CASE("redis store calls behind a slow one share its connection, no pool to wait for", "[redis][fault]") {
-  RedisServer server;
-  RedisOptions o = server.options();
-  o.pool.size = 1;
-  o.pool.wait = 100ms;  // the pool's: RedisStore's calls do not take pooled connections
-  o.command_timeout = 3s;
-  RedisStore store(o);
+// `n` threads each make `call(i)` while the server is paused (CLIENT PAUSE 800 ms): how many
+// were answered once it resumed.
+template <class Call>
+int calls_through_a_pause(RedisServer& server, int n, Call call) {
   server.command({"CLIENT", "PAUSE", "800", "ALL"});
   std::atomic<int> answered{0};
   std::vector<std::thread> calls;
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < n; ++i)
     calls.emplace_back([&, i] {
       try {
-        (void)store.inspect("slow-" + std::to_string(i) + "-" + idem::test::random_hex());
+        call(i, "slow-" + std::to_string(i) + "-" + idem::test::random_hex());
         ++answered;
       } catch (...) {
       }
     });
   for (auto& t : calls) t.join();
-  CHECK(answered.load() == 4);
+  return answered.load();
+}
+
+TEST_CASE("redis store calls behind a slow one share its connection, no pool to wait for", "[redis][fault]") {
+  RedisServer server;
+  RedisOptions o = server.options();
+  o.pool.size = 1;      // one lane
+  o.pool.wait = 100ms;  // the pool's: RedisStore's calls do not take pooled connections
+  o.command_timeout = 3s;
+  RedisStore store(o);
+  CHECK(calls_through_a_pause(server, 4, [&](int, const std::string& k) { (void)store.inspect(k); }) == 4);
   CHECK(store.stats().connects == 1);
 }
 
@@ -353,19 +360,7 @@ TEST_CASE("redis store: overlapping blocked callers each get a lane up to pool.s
   o.pool.size = 3;
   o.command_timeout = 3s;
   RedisStore store(o);
-  server.command({"CLIENT", "PAUSE", "800", "ALL"});
-  std::atomic<int> answered{0};
-  std::vector<std::thread> calls;
-  for (int i = 0; i < 6; ++i)
-    calls.emplace_back([&, i] {
-      try {
-        (void)store.inspect("lane-" + std::to_string(i) + "-" + idem::test::random_hex());
-        ++answered;
-      } catch (...) {
-      }
-    });
-  for (auto& t : calls) t.join();
-  CHECK(answered.load() == 6);
+  CHECK(calls_through_a_pause(server, 6, [&](int, const std::string& k) { (void)store.inspect(k); }) == 6);
   CHECK(store.stats().connects == 3);  // three lanes opened, never more than pool.size
   CHECK(store.stats().requests == 6);
 }
@@ -379,21 +374,11 @@ TEST_CASE("redis sequence store calls behind a slow one share the store's connec
   o.command_timeout = 3s;
   RedisStore store(o);
   idem::RedisSequenceStore seqs(store);
-  server.command({"CLIENT", "PAUSE", "800", "ALL"});
-  std::atomic<int> answered{0};
-  std::vector<std::thread> calls;
-  for (int i = 0; i < 4; ++i)
-    calls.emplace_back([&, i] {
-      try {
-        if (i % 2)
-          (void)seqs.advance("slow-" + std::to_string(i) + "-" + idem::test::random_hex(), 7);
-        else
-          (void)seqs.last_applied("slow-" + std::to_string(i) + "-" + idem::test::random_hex());
-        ++answered;
-      } catch (...) {
-      }
-    });
-  for (auto& t : calls) t.join();
-  CHECK(answered.load() == 4);
+  CHECK(calls_through_a_pause(server, 4, [&](int i, const std::string& entity) {
+          if (i % 2)
+            (void)seqs.advance(entity, 7);
+          else
+            (void)seqs.last_applied(entity);
+        }) == 4);
   CHECK(store.stats().connects == 1);  // one connection for the store and its sequence store
 }
