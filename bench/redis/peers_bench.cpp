@@ -2,7 +2,7 @@
 // (new keys / duplicates, 1 and --conc in flight; a no-op handler returning {"ok":true,"n":100};
 // --dupkeys completed keys replayed round-robin; FLUSHALL before each run; a warm-up, then --reps
 // timed runs of --ops, median), for three ways of running idem's guard:
-//   blocking     RedisStore (pooled connections), one thread per call in flight
+//   blocking     RedisStore (default options: 8 lanes, then multiplexed), one thread per call in flight
 //   multiplexed  AsyncRedisStore's blocking calls, one thread per call in flight, one connection
 //   async        run_async on AsyncRedisStore: one thread, --conc coroutines in flight, one connection
 // (multiplexed and async auto-batch: steps queued behind a write leave as one script call; the
@@ -347,12 +347,8 @@ void threaded(Mode& m, Guard& g, const std::vector<std::string>& keys, int conc,
 
 class Blocking final : public Mode {
 public:
-  explicit Blocking(const Args& a, int conc)
-      : store_([&] {
-          idem::RedisOptions o = base_options(a);
-          o.pool.size = static_cast<std::size_t>(std::max(conc, 1));
-          return o;
-        }()),
+  explicit Blocking(const Args& a, int /*conc*/)
+      : store_(base_options(a)),  // default options: pool.size (8) lanes, callers past them multiplexed
         guard_(store_, {.lease = 30s, .retention = 1h}) {}
   void run(const std::vector<std::string>& keys, int conc, std::vector<double>& lat) override {
     threaded(*this, guard_, keys, conc, lat);
@@ -529,7 +525,7 @@ int main(int argc, char** argv) try {
   bool first_peer = true;
   for (const std::string& mode : a.modes) {
     auto m = make_mode(mode, a);
-    const std::string label = mode == "blocking"      ? "idem IdempotencyGuard::run on RedisStore (pooled, one thread per call in flight)"
+    const std::string label = mode == "blocking"      ? "idem IdempotencyGuard::run on RedisStore (8 lanes, then multiplexed; one thread per call in flight)"
                               : mode == "multiplexed" ? "idem IdempotencyGuard::run on AsyncRedisStore (one pipelined connection, one thread per call in flight)"
                                                       : "idem IdempotencyGuard::run_async on AsyncRedisStore (one thread, coroutines, one pipelined connection)";
     std::fprintf(stderr, "== idem-%s: %s\n", mode.c_str(), label.c_str());
