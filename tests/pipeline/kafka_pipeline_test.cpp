@@ -56,6 +56,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdint>
@@ -225,13 +226,22 @@ class Cluster {
 // sockets (its listeners and the connections it accepted) are not close-on-exec: a child holding a
 // copy of a connection keeps it open after the mock closes its own (a killed client's, or all of
 // them when the brokers go down), and its peer then waits for answers that never come.
+// The parent returns only once the child has exec'd (a close-on-exec pipe reaches EOF): until
+// then the child holds a copy of the mock's listeners, and a broker set down in that window cannot
+// bind its port again (librdkafka aborts: "Failed to-create mock broker listener").
 pid_t spawn_without_fds(const std::vector<std::string>& args, int out_fd) {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   const pid_t parent = ::getpid();
+  int exec_pipe[2];
+  if (::pipe2(exec_pipe, O_CLOEXEC) != 0) throw std::runtime_error("pipeline: pipe2 failed");
   const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error("pipeline: fork failed");
+  if (pid < 0) {
+    ::close(exec_pipe[0]);
+    ::close(exec_pipe[1]);
+    throw std::runtime_error("pipeline: fork failed");
+  }
   if (pid == 0) {  // async-signal-safe calls only until exec
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) ::_exit(127);
@@ -239,11 +249,18 @@ pid_t spawn_without_fds(const std::vector<std::string>& args, int out_fd) {
     ::dup2(null, 0);
     ::dup2(out_fd >= 0 ? out_fd : null, 1);
     ::dup2(out_fd >= 0 ? out_fd : null, 2);
-    if (::close_range(3, ~0U, 0) != 0)
-      for (int fd = 3; fd < 65536; ++fd) ::close(fd);  // a kernel before 5.9
+    const int keep = exec_pipe[1];  // closed by exec itself
+    if ((keep > 3 && ::close_range(3, keep - 1, 0) != 0) || ::close_range(keep + 1, ~0U, 0) != 0)
+      for (int fd = 3; fd < 65536; ++fd)  // a kernel before 5.9
+        if (fd != keep) ::close(fd);
     ::execv(argv[0], argv.data());
     ::_exit(127);
   }
+  ::close(exec_pipe[1]);
+  char byte;
+  while (::read(exec_pipe[0], &byte, 1) < 0 && errno == EINTR) {
+  }
+  ::close(exec_pipe[0]);
   return pid;
 }
 
