@@ -12,7 +12,7 @@ using detail::asio_redis::EngineStore;
 namespace {
 std::unique_ptr<EngineStore> make_core(const AsyncRedisStore::executor_type& ex, const RedisOptions& o, StoreLimits& limits) {
   auto factory = detail::asio_redis::factory_of(o, limits);
-  return std::make_unique<EngineStore>(ex, o, std::move(factory), limits);
+  return std::make_unique<EngineStore>(ex, o, std::move(factory));
 }
 }  // namespace
 

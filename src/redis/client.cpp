@@ -5,6 +5,7 @@
 #include "client.hpp"
 
 #include "cluster.hpp"
+#include "engine_store.hpp"
 
 #include <array>
 #include <cerrno>
@@ -105,7 +106,12 @@ Client::Client(RedisOptions o, FactoryOnly)
                                 "redis-sentinel://, not redis-cluster://");
 }
 
-Client::~Client() = default;
+Client::~Client() { core_.reset(); }
+
+asio_redis::RedisCore& Client::core() {
+  std::call_once(core_once_, [this] { core_ = std::make_unique<asio_redis::RedisCore>(*this); });
+  return *core_;
+}
 
 std::string Client::where() const {
   if (cluster_) return cluster_->masters();
@@ -139,6 +145,10 @@ Client::Connection Client::connect() const {
   if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
   const bool check_role = !sentinels_.empty();
   if (check_role) hello.add(Command().arg("ROLE").format());
+  // TLS 1.3 tells a client the server refused its certificate (or its lack of one) only at its
+  // first read: one answer here makes that a connection_error "TLS" of the connect, not a request
+  // in doubt on a connection that seemed open.
+  if (hello.size() == 0 && c.tls) hello.add(Command().arg("PING").format());
   if (hello.size() == 0) return {std::move(c), epoch};
   if (c.write(hello.all()) != hello.all().size()) throw_io(c, "while authenticating", false);
   std::string first_error;

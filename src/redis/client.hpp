@@ -29,6 +29,10 @@
 #include "tls.hpp"
 #include "store_requests.hpp"
 
+namespace idem::detail::asio_redis {
+struct RedisCore;
+}
+
 namespace idem::detail::redis {
 
 struct ContextFree {
@@ -147,6 +151,9 @@ public:
   // Cluster mode: the slot of the key made of `parts` (the stores route by it); -1 otherwise.
   [[nodiscard]] int slot_of(std::initializer_list<std::string_view> parts) const;
   [[nodiscard]] bool clustered() const noexcept { return cluster_ != nullptr; }
+  // The engine every blocking store built on this client sends through (one loop thread, its
+  // lanes, its slot map), started on first use. Thread-safe.
+  asio_redis::RedisCore& core();
   // Cluster mode: the slot map and its routing, for a caller that routes by itself (AsyncRedisStore).
   Cluster& cluster() noexcept { return *cluster_; }
 
@@ -322,6 +329,8 @@ private:
   mutable std::atomic<std::uint64_t> discoveries_{0};
   Pool<Traits> pool_;
   std::unique_ptr<Cluster> cluster_;  // cluster mode: the router over one Client per master
+  std::once_flag core_once_;
+  std::unique_ptr<asio_redis::RedisCore> core_;  // reset first in ~Client: it uses everything above
 
 };
 

@@ -142,6 +142,18 @@ struct Call final : Op {
   Parse parse;
 };
 
+// A plain command (not a script: XADD, XREADGROUP, CLUSTER SLOTS...): its reply is the caller's as
+// it came, an error reply included. Never resent: a lost reply is the caller's error.
+struct Plain final : Op {
+  explicit Plain(DonePtr<ReplyPtr> d) : done(std::move(d)) {
+    script = Script::inspect;  // writes no record: no WAIT is checked after it
+    same_holder = false;
+    attempt.reloaded = true;  // no script of idem's to reload: NOSCRIPT (an EVALSHA of the caller's) is its answer
+  }
+  void finish(std::exception_ptr e, ReplyPtr reply) noexcept override { done->complete(e, std::move(reply)); }
+  DonePtr<ReplyPtr> done;
+};
+
 class Connection;
 
 // A connection to the server of `o` on a strand of `ex`, opened through `factory` (the blocking
@@ -187,11 +199,12 @@ void shutdown(Engine& e);
 AsyncRedisStats stats(const Engine& e) noexcept;
 
 
-// The engine's count of blocked callers waiting for an answer (send_checked).
-std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e);
 // How many blocked callers at once the engine serves each on a connection of its own (its lanes:
 // pool.size off a cluster, 1 on one); past that they are multiplexed.
 int lanes(const Engine& e) noexcept;
+// Counts a blocked caller in among the engine's (`count` is set to the count, for the caller to
+// give back once answered): true when it is among the first lanes(e), to go through call().
+bool count_blocked(Engine& e, std::shared_ptr<std::atomic<int>>& count);
 
 // Sends the request `make` builds for `done`. A blocked caller among the first lanes(e) pending
 // goes through call(): on its own thread on an idle connection of the engine's (a lane); with more
@@ -203,8 +216,7 @@ void send_checked(Engine& e, DonePtr<T>& done, Make&& make) {
   bool alone = false;
   if (done->waits_here()) {  // a Waiter: the only Done that waits here
     auto& w = static_cast<Waiter<T>&>(*done);
-    w.blocked = blocked_callers(e);
-    alone = w.blocked->fetch_add(1, std::memory_order_relaxed) < lanes(e);
+    alone = count_blocked(e, w.blocked);
   }
   std::unique_ptr<Op> op;
   if (std::exception_ptr x = capture([&] { op = make(); })) return done->complete(x, T{});

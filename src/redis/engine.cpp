@@ -240,7 +240,10 @@ void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.submit(std::mov
 void call(Engine& e, std::unique_ptr<Op> op) { e.call(std::move(op)); }
 void call(Engine& e, std::vector<std::unique_ptr<Op>> ops) { e.call(std::move(ops)); }
 int lanes(const Engine& e) noexcept { return e.lanes(); }
-std::shared_ptr<std::atomic<int>> blocked_callers(Engine& e) { return e.blocked(); }
+bool count_blocked(Engine& e, std::shared_ptr<std::atomic<int>>& count) {
+  count = e.blocked();
+  return count->fetch_add(1, std::memory_order_relaxed) < e.lanes();
+}
 void shutdown(Engine& e) { e.shutdown(); }
 AsyncRedisStats stats(const Engine& e) noexcept { return e.stats(); }
 

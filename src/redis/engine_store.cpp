@@ -68,7 +68,7 @@ std::unique_ptr<Op> sequence_op(DonePtr<T> done, Parse parse, Command& cmd, Scri
 class BlockedBatch {
 public:
   explicit BlockedBatch(Engine& e)
-      : engine_(e), count_(blocked_callers(e)), alone_(count_->fetch_add(1, std::memory_order_relaxed) < lanes(e)) {}
+      : engine_(e), alone_(count_blocked(e, count_)) {}
   ~BlockedBatch() { count_->fetch_sub(1, std::memory_order_relaxed); }
   BlockedBatch(const BlockedBatch&) = delete;
   BlockedBatch& operator=(const BlockedBatch&) = delete;
@@ -79,7 +79,7 @@ public:
 
 private:
   Engine& engine_;
-  std::shared_ptr<std::atomic<int>> count_;
+  std::shared_ptr<std::atomic<int>> count_;  // before alone_: count_blocked sets it
   bool alone_;
 };
 
@@ -94,9 +94,8 @@ std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits) {
   return client;
 }
 
-EngineStore::EngineStore(boost::asio::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> factory,
-                         StoreLimits l)
-    : options(o), limits(l),
+EngineStore::EngineStore(boost::asio::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> factory)
+    : options(o),
       wait(o.min_replica_acks > 0
                ? std::string(Command().arg("WAIT").arg(o.min_replica_acks).arg(o.replica_ack_timeout.count()).format().view())
                : std::string()),
@@ -106,6 +105,35 @@ EngineStore::EngineStore(boost::asio::any_io_executor ex, const RedisOptions& o,
 EngineStore::~EngineStore() { shutdown(*engine); }
 
 AsyncRedisStats EngineStore::stats() const noexcept { return asio_redis::stats(*engine); }
+
+namespace {
+std::unique_ptr<Op> plain_op(EngineStore::PlainCommand c, DonePtr<ReplyPtr> done) {
+  auto op = std::make_unique<Plain>(std::move(done));
+  op->bytes = std::move(c.bytes);
+  op->label = std::move(c.what);
+  op->slot = c.slot;
+  return op;
+}
+}  // namespace
+
+void EngineStore::submit_command(PlainCommand c, DonePtr<ReplyPtr> done) {
+  send_checked<ReplyPtr>(*engine, done, [&] { return plain_op(std::move(c), std::move(done)); });
+}
+
+ReplyPtr EngineStore::command(PlainCommand c) {
+  return wait_for<ReplyPtr>([&](auto w) { submit_command(std::move(c), std::move(w)); });
+}
+
+std::vector<ReplyPtr> EngineStore::commands(std::vector<PlainCommand> cs) {
+  auto g = std::make_shared<Gather<ReplyPtr>>();
+  std::vector<std::unique_ptr<Op>> ops;
+  ops.reserve(cs.size());
+  for (PlainCommand& c : cs) ops.push_back(plain_op(std::move(c), std::make_unique<GatherSlot<ReplyPtr>>(g, g->add())));
+  BlockedBatch blocked(*engine);
+  if (!ops.empty()) blocked.send(std::move(ops));
+  g->wait();
+  return g->take();
+}
 
 AcquireResult EngineStore::acquire(std::string_view key, const AcquireParams& p) {
   return wait_for<AcquireResult>([&](auto w) { submit_acquire(key, p, std::move(w)); });

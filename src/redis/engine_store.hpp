@@ -93,10 +93,8 @@ std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits);
 
 class EngineStore {
 public:
-  // `o` resolved (URL applied); `factory` opens the connections (its options are `o`'s) and
-  // `limits` is what check_server read from its server.
-  EngineStore(boost::asio::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> factory,
-              StoreLimits limits);
+  // `o` resolved (URL applied); `factory` opens the connections (its options are `o`'s).
+  EngineStore(boost::asio::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> factory);
   ~EngineStore();  // fails what is pending, closes the connections
   EngineStore(const EngineStore&) = delete;
   EngineStore& operator=(const EngineStore&) = delete;
@@ -131,8 +129,22 @@ public:
   // the entity's sequence in two slots.
   void check_complete_advance(std::string_view key, std::string_view entity, const char* unpaired) const;
 
+  // Plain commands (not scripts) for the other Redis entry points (StreamsConsumer, the Streams
+  // publisher, RedisAdmin): each to the server, or on a cluster to the master of `slot` (-1: any
+  // master), redirections and a demoted master followed as for the scripts; sent once (a lost
+  // reply is the caller's connection_error / timeout_error, never resent). `what` names it in
+  // errors. The reply, an error reply included.
+  struct PlainCommand {
+    std::string bytes;  // the formatted command
+    std::string what;
+    int slot = -1;
+  };
+  void submit_command(PlainCommand c, DonePtr<ReplyPtr> done);
+  ReplyPtr command(PlainCommand c);
+  // Pipelined, in order on each connection; every reply, or the first error once all are in.
+  std::vector<ReplyPtr> commands(std::vector<PlainCommand> cs);
+
   const RedisOptions options;
-  const StoreLimits limits;
   const std::string wait;  // `WAIT n timeout`, sent after each write with min_replica_acks; else empty
   const std::shared_ptr<Engine> engine;
 
@@ -163,10 +175,13 @@ private:
   std::thread thread_;
 };
 
-// Declared first, destroyed last: the engine is shut down (pending calls failed) before its loop stops.
+// A RedisClient's engine and its loop (Client::core): every blocking store built on the client
+// sends through it, so they share its connections (lanes) and one slot map. The client owns it and
+// outlives it, so the engine's factory pointer does not own. The loop is declared first, destroyed
+// last: the engine is shut down (pending calls failed) before its loop stops.
 struct RedisCore {
-  RedisCore(Client& client, const std::shared_ptr<RedisClient>& owner, StoreLimits limits)
-      : store(loop.executor(), client.options(), std::shared_ptr<Client>(owner, &client), limits) {}
+  explicit RedisCore(Client& client)
+      : store(loop.executor(), client.options(), std::shared_ptr<Client>(std::shared_ptr<Client>(), &client)) {}
   Loop loop;
   EngineStore store;
 };

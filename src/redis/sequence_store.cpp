@@ -167,7 +167,7 @@ RedisSequenceStore::RedisSequenceStore(RedisStore& store)
 }
 RedisSequenceStore::RedisSequenceStore(std::shared_ptr<RedisClient> client)
     : ClientHandle(std::move(client), "RedisSequenceStore"),
-      core_(std::make_shared<RedisCore>(impl(), this->client(), StoreLimits{})) {}
+      core_(this->client(), &impl().core()) {}
 RedisSequenceStore::RedisSequenceStore(RedisOptions options)
     : RedisSequenceStore(std::make_shared<RedisClient>(std::move(options))) {}
 

@@ -287,7 +287,7 @@ RedisStore::RedisStore(RedisOptions options) : RedisStore(std::make_shared<Redis
 
 RedisStore::RedisStore(std::shared_ptr<RedisClient> client)
     : ClientHandle(std::move(client), "RedisStore"), limits_(detail::redis::check_server(impl())),
-      core_(std::make_shared<detail::asio_redis::RedisCore>(impl(), this->client(), limits_)) {}
+      core_(this->client(), &impl().core()) {}
 
 RedisStore::~RedisStore() = default;
 RedisStore::RedisStore(RedisStore&&) noexcept = default;

@@ -1,7 +1,9 @@
-// StreamsConsumer: XAUTOCLAIM, XREADGROUP, XACK and dead letters over one pooled connection of a
-// Client (the stores' connection factory: TLS, AUTH, SELECT, Sentinel), plain commands of its own.
-// On a Redis Cluster every command names the stream (and the dead-letter stream, in its slot), so
-// each goes to the master of the stream's slot, following MOVED / ASK like the stores' calls.
+// StreamsConsumer: XAUTOCLAIM, XREADGROUP, XACK and dead letters as plain commands on the Redis
+// engine of a client of its own (the stores' transport: TLS, AUTH, SELECT, Sentinel and a demoted
+// master, reconnects). The consumer is one caller, so each command goes on the caller's thread
+// over an idle connection, XREADGROUP's BLOCK included. On a Redis Cluster every command names the
+// stream (and the dead-letter stream, in its slot), so each goes to the master of the stream's
+// slot, following MOVED / ASK like the stores' calls.
 
 #include "idem/redis/streams_consumer.hpp"
 
@@ -12,6 +14,7 @@
 #include <hiredis/hiredis.h>
 
 #include "client.hpp"
+#include "engine_store.hpp"
 #include "idem/core/hex.hpp"
 #include "idem/redis/hash_slot.hpp"
 
@@ -97,15 +100,17 @@ struct StreamsConsumer::Impl {
   explicit Impl(StreamsConsumerOptions o)
       : opt(checked(std::move(o))), client(opt.redis), slot(client.slot_of({opt.stream})) {}
 
+  ReplyPtr send(Command& cmd, const char* what) {
+    return client.core().store.command({std::string(cmd.format().view()), what, slot});
+  }
+
   // One command; an error reply is a store_error naming it (retryable when the server is not the
   // master now, as the reply machine reads it, or a slot is moving: a failover or resharding).
   ReplyPtr call(Command& cmd, const char* what) {
-    ReplyPtr r = client.call(cmd.format(), what, slot);
+    ReplyPtr r = send(cmd, what);
     if (r->type == REDIS_REPLY_ERROR) {
       const std::string t = text(r.get());
-      const bool demoted = detail::redis::is_not_master(r.get());
-      const bool transient = demoted || detail::redis::error_code(t) == "TRYAGAIN";
-      if (demoted) client.doubt_master();
+      const bool transient = detail::redis::is_not_master(r.get()) || detail::redis::error_code(t) == "TRYAGAIN";
       throw store_error(fmt::format("idem: {} on stream '{}' failed: {}", what, printable(opt.stream), t),
                         t.substr(0, t.find(' ')), transient);
     }
@@ -115,7 +120,7 @@ struct StreamsConsumer::Impl {
   void create_group() {
     Command cmd;
     cmd.arg("XGROUP").arg("CREATE").arg(opt.stream).arg(opt.group).arg("0").arg("MKSTREAM");
-    ReplyPtr r = client.call(cmd.format(), "XGROUP CREATE", slot);
+    ReplyPtr r = send(cmd, "XGROUP CREATE");
     if (r->type == REDIS_REPLY_ERROR && text(r.get()).rfind("BUSYGROUP", 0) != 0)
       throw store_error(fmt::format("idem: XGROUP CREATE of group '{}' on stream '{}' failed: {}", printable(opt.group),
                                     printable(opt.stream), text(r.get())),

@@ -76,7 +76,7 @@ class RedisClient {
 public:
   /// Checks the options (URL applied), connects once and loads the scripts.
   explicit RedisClient(RedisOptions options = {});
-  ~RedisClient();                                       ///< Closes every pooled connection.
+  ~RedisClient();                                       ///< Fails calls still pending, closes every connection.
   RedisClient(const RedisClient&) = delete;             ///< One pool, one owner: share the client by pointer.
   RedisClient& operator=(const RedisClient&) = delete;  ///< One pool, one owner.
 

@@ -25,10 +25,9 @@ namespace idem {
  * way (`{acct-42}:evt-9`) lands in the entity's slot. An entity containing `}` ends its tag early
  * (the key is still distinct per entity, the slot is then that of the prefix of the entity).
  *
- * Its calls travel on the one Redis engine, as RedisStore's: built from a RedisStore it sends on
- * that store's connection (and loop thread), so both are on one server and a gate's advance may
- * leave auto-batched with the guard's steps; built from a client or options it opens a connection
- * of its own. key_prefix is the client's.
+ * Its calls travel on its RedisClient's engine, as RedisStore's: every store built on one client
+ * shares its connections and loop thread, so a gate's advance may leave auto-batched with the
+ * guard's steps. key_prefix is the client's.
  * Thread-safe, move-only (a moved-from store throws usage_error). Errors fail closed, typed like RedisStore's: connection_error /
  * timeout_error (retryable), capacity_error (OOM), store_error with the Redis error prefix as
  * code(), corrupt_record_error (the key holds something else), invalid_entity_error (empty or
@@ -46,7 +45,7 @@ class RedisSequenceStore : public detail::redis::ClientHandle {
 public:
   /// On the client and connection of `store` (shared, not copied): what complete_advance(store, ...) requires.
   explicit RedisSequenceStore(RedisStore& store);
-  /// Over a client shared with other stores, on a connection of its own.
+  /// Over a client shared with other stores (and its connections).
   explicit RedisSequenceStore(std::shared_ptr<RedisClient> client);
   /// Builds its own RedisClient (connects once to fail fast). Throws invalid_options_error,
   /// connection_error / timeout_error, or store_error (e.g. WRONGPASS, NOPERM). It cannot
@@ -78,7 +77,7 @@ public:
   /// (key_prefix + "seq:{" + entity + "}", binary-safe), for redis-cli.
   [[nodiscard]] std::string sequence_key(std::string_view entity) const;
 
-  ~RedisSequenceStore();  ///< Closes its connection when it is the last store on it.
+  ~RedisSequenceStore();  ///< The client's connections close with the client's last store.
   RedisSequenceStore(RedisSequenceStore&&) noexcept;             ///< Movable; the moved-from store throws usage_error.
   RedisSequenceStore& operator=(RedisSequenceStore&&) noexcept;  ///< Movable.
 

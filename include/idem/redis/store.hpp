@@ -28,8 +28,8 @@ struct RedisCore;
  * StateStore on a Redis server. Each transition is one Lua script run with EVALSHA —
  * one round trip, atomic on the server, timed by the server's `TIME` — and the scripts reload
  * themselves after `SCRIPT FLUSH` or a restart. Its calls travel on one multiplexed connection per
- * server (per master on a cluster), the transport AsyncRedisStore uses, driven by a thread of the
- * store's own: a caller that finds a connection idle writes and reads on its own thread (no
+ * server (per master on a cluster), the transport AsyncRedisStore uses, driven by a thread of its
+ * RedisClient's (every store on one client shares them): a caller that finds a connection idle writes and reads on its own thread (no
  * hand-off; off a cluster up to pool.size callers at once, each on a connection opened for it),
  * callers past that are pipelined and auto-batched on the first (RedisOptions::auto_batch). The
  * RedisClient it is built over (its own, or one shared with other stores; client() gives it)
@@ -56,7 +56,7 @@ public:
   explicit RedisStore(RedisOptions options = {});
   /// A store over a client shared with other stores (e.g. a RedisSequenceStore); checks the server as above.
   explicit RedisStore(std::shared_ptr<RedisClient> client);
-  ~RedisStore();                                   ///< Fails calls still pending, closes the store's connection.
+  ~RedisStore();                                   ///< The client's connections close with the client's last store.
   RedisStore(RedisStore&&) noexcept;               ///< Movable; the moved-from store throws usage_error.
   RedisStore& operator=(RedisStore&&) noexcept;    ///< Movable.
 
@@ -126,8 +126,8 @@ public:
   /// when unreadable) less 1 MiB for the other arguments (and, for keys, the key prefix).
   [[nodiscard]] StoreLimits limits() const noexcept { return limits_; }
 
-  /// Counters of the store's connections (thread-safe): requests, writes, reconnects, resends,
-  /// steps coalesced with other callers'.
+  /// Counters of the client's connections, shared by its stores (thread-safe): requests, writes,
+  /// reconnects, resends, steps coalesced with other callers'.
   [[nodiscard]] AsyncRedisStats stats() const noexcept;
 
 private:
