@@ -54,9 +54,9 @@ private:
 
 /**
  * One Redis server (or Sentinel-resolved master, or cluster) with idem's Lua scripts loaded: what
- * every Redis store is built on. The stores open their multiplexed connections through it (URL,
- * TLS, AUTH, SELECT, Sentinel, the slot map); its pool serves StreamsConsumer, the Streams
- * publisher, RedisAdmin and the server check. Build it once and hand it to each store, so they
+ * every Redis store is built on. It owns the engine the stores send through (URL, TLS, AUTH,
+ * SELECT, Sentinel, the slot map; its lanes and multiplexed connections, shared by every store
+ * built on it); its pool serves the construction's checks. Build it once and hand it to each store, so they
  * are on the same server by construction; a sequence store built from the store also shares the
  * store's connection:
  *
