@@ -58,10 +58,6 @@ Client::Client(RedisOptions o)
       rediscover_(!sentinels_.empty()),
       pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
   pool_.observe(opt_.observer.get(), "redis");
-  if (opt_.min_replica_acks > 0) {
-    const Request w = Command().arg("WAIT").arg(opt_.min_replica_acks).arg(opt_.replica_ack_timeout.count()).format();
-    wait_.assign(w.view());
-  }
   // Cluster mode: this client routes; a client per master (each a pool to one server, built by
   // the cluster) does the rest, and this one's own pool is never used.
   if (!opt_.cluster_nodes.empty()) {
@@ -191,10 +187,6 @@ void Client::send(Link& c, std::string_view data, std::size_t first) const {
   throw_io(c, "while sending a pipeline", true);
 }
 
-void Client::resend_after(Link& c, std::string_view data, const char* during) const {
-  if (c.write(data) != data.size()) throw_io(c, during, false);
-}
-
 ReplyPtr Client::read_reply(Link& c, const char* during, bool maybe_ran) const {
   ReplyPtr r = c.read();
   if (!r) throw_io(c, during, maybe_ran);
@@ -242,85 +234,6 @@ void Client::check_loaded(const redisReply* r, Script s, const ReplyErrorHints& 
     throw store_error(fmt::format("idem: SCRIPT LOAD of {} answered an unexpected SHA1", info.name), "", false);
 }
 
-// After NOSCRIPT nothing has run, so a SCRIPT LOAD that cannot be sent may be retried elsewhere.
-void Client::load(Link& c, Script s, const ReplyErrorHints& hints) const {
-  const Request req = script_load(s).format();
-  send(c, req.view(), req.size);
-  check_loaded(read_reply(c, "to SCRIPT LOAD").get(), s, hints);
-}
-
-namespace {
-// One formatted request seen as a pipeline of one, so eval builds no Pipeline.
-struct OneRequest {
-  static constexpr bool asking = false;
-  std::string_view r;
-  [[nodiscard]] std::size_t size() const noexcept { return 1; }
-  [[nodiscard]] std::string_view all() const noexcept { return r; }
-  [[nodiscard]] std::string_view operator[](std::size_t) const noexcept { return r; }
-};
-// The same after an ASK redirection: ASKING goes first, in the same write, and again before a
-// resend (it admits the one command after it).
-struct AskingRequest : OneRequest {
-  static constexpr bool asking = true;
-};
-constexpr std::string_view asking_request = "*1\r\n$6\r\nASKING\r\n";
-}  // namespace
-
-template <class Requests>
-void Client::run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
-                         ReplyPtr* wait) const {
-  const char* during = p.size() == 1 ? "to EVALSHA" : "to a batch of EVALSHA";
-  // WAIT goes in the same write as the scripts: one round trip, and it counts the replicas that
-  // have this connection's writes, the scripts' included.
-  const std::string_view before = Requests::asking ? asking_request : std::string_view{};
-  if (wait != nullptr || Requests::asking) {
-    std::string all(before);
-    all += p.all();
-    if (wait != nullptr) all += wait_;
-    send(c, all, before.size() + p[0].size());
-    if (Requests::asking) (void)read_reply(c, "to ASKING");
-  } else {
-    send(c, p.all(), p[0].size());
-  }
-  // The reply machine decides per reply (reply_machine.hpp); routing is the cluster's, above this
-  // server, and a lost reply is with_resend's.
-  const Route route{.sentinel = !sentinels_.empty()};
-  std::vector<std::size_t> again;
-  std::string demoted;  // why a reply said the server is no longer the master
-  auto decide = [&](std::size_t i, bool reloaded) {
-    if (!is_error(out[i].get())) return;
-    Attempt a;
-    a.reloaded = reloaded;
-    const Decision d = on_reply(a, out[i].get(), route, script(s).name, -1);
-    if (d.next == Next::reload) again.push_back(i);
-    else if (d.next == Next::leave_master && demoted.empty()) demoted = d.why;
-  };
-  for (std::size_t i = 0; i < p.size(); ++i) {
-    out[i] = read_reply(c, during);
-    decide(i, false);
-  }
-  if (wait != nullptr) *wait = read_reply(c, "to WAIT");
-  if (!again.empty()) {
-    load(c, s, hints);
-    std::string all(before);
-    for (std::size_t i : again) all += p[i];
-    if (wait != nullptr) all += wait_;
-    resend_after(c, all, "while sending EVALSHA");
-    if (Requests::asking) (void)read_reply(c, "to ASKING");
-    for (std::size_t i : again) out[i] = read_reply(c, during);
-    if (wait != nullptr) *wait = read_reply(c, "to WAIT");
-    const std::vector<std::size_t> reloaded = std::move(again);
-    again.clear();
-    for (std::size_t i : reloaded) decide(i, true);
-  }
-  // A server that is no longer the master ran nothing; ask the sentinels and send it once more on
-  // a connection to the master they name (attempt() retries a NotSent once).
-  if (!demoted.empty()) {
-    suspect();
-    throw NotSent{demoted};
-  }
-}
-
 void check_wait(const redisReply* wait, Script s, std::string_view what, const RedisOptions& o,
                 const std::string& where) {
   const char* acquired = "the handler did not run: redeliver later (the key frees itself after the lease)";
@@ -347,56 +260,9 @@ void check_wait(const redisReply* wait, Script s, std::string_view what, const R
                          static_cast<int>(acks), o.min_replica_acks);
 }
 
-void Client::check_acks(Script s, const ReplyPtr* replies, std::size_t n, const ReplyPtr& wait) const {
-  if (!wait) return;
-  bool changed = false;
-  for (std::size_t i = 0; i < n && !changed; ++i) changed = wrote(s, replies[i].get());
-  if (!changed) return;  // a duplicate or in_flight answer: nothing a failover could lose
-  const std::string what = n > 1 ? fmt::format("{} ({} calls)", script(s).name, n) : std::string(script(s).name);
-  try {
-    check_wait(wait.get(), s, what, opt_, where());
-  } catch (const durability_error&) {
-    suspect();  // too few replicas: the master may be changing
-    throw;
-  }
-}
-
-ReplyPtr Client::eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot) {
-  if (cluster_) return cluster_->eval(s, req.view(), hints, resend, slot);
-  return eval_at(s, req.view(), hints, resend, false);
-}
-
-ReplyPtr Client::eval_at(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, bool asking) {
-  const bool wait = !wait_.empty() && !reads_only(s);
-  Single r = with_resend(
-      [&](Link& c) {
-        Single out;
-        if (asking)
-          run_scripts(c, s, AskingRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
-        else
-          run_scripts(c, s, OneRequest{req}, hints, &out.reply, wait ? &out.wait : nullptr);
-        return out;
-      },
-      resend, script(s).name);
-  check_acks(s, &r.reply, 1, r.wait);
-  return std::move(r.reply);
-}
-
-ReplyPtr Client::call(const Request& req, const char* during, int slot) {
-  if (cluster_) return cluster_->call(req, during, slot);
-  return call_at(req.view(), during, false);
-}
-
-ReplyPtr Client::call_at(std::string_view req, const char* during, bool asking) {
+ReplyPtr Client::call(std::string_view req, const char* during) {
   return with_connection([&](Link& c) {
-    if (!asking) {
-      send(c, req, req.size());
-      return read_reply(c, during);
-    }
-    std::string all(asking_request);
-    all += req;
-    send(c, all, all.size());
-    (void)read_reply(c, "to ASKING");
+    send(c, req, req.size());
     return read_reply(c, during);
   });
 }

@@ -159,17 +159,10 @@ public:
 
   // Starts an EVALSHA of `s` with `numkeys` keys; the caller adds keys and arguments.
   static Command evalsha(Script s, std::size_t numkeys);
-  // One EVALSHA; NOSCRIPT (SCRIPT FLUSH, a restart: the call ran nothing) reloads the script and
-  // resends. An error reply is returned, not thrown. `resend` says what a lost reply does. With
-  // min_replica_acks, a reply that changed a record and was not acknowledged by enough replicas
-  // throws durability_error.
-  // In cluster mode it runs on the master of `slot` (slot_of), following redirections.
-  ReplyPtr eval(Script s, const Request& req, const ReplyErrorHints& hints, Resend resend, int slot = -1);
-  // One plain command (`during` names it in I/O errors); an error reply is returned. Never resent.
-  ReplyPtr call(const Request& req, const char* during, int slot = -1);
-  // This server only, no routing (what the cluster sends to one node); `asking` sends ASKING first.
-  ReplyPtr eval_at(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, bool asking);
-  ReplyPtr call_at(std::string_view req, const char* during, bool asking);
+  // One plain command on this server (not in cluster mode: the cluster's construction asks each
+  // node through a client of the node's); `during` names it in I/O errors; an error reply is
+  // returned. Never resent. The stores' requests go through the engine (core()), not here.
+  ReplyPtr call(std::string_view req, const char* during);
   // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip.
   ServerConfig server_config();
 
@@ -211,13 +204,6 @@ private:
   struct InDoubt {
     IoFailure failure;
   };
-  // A script's reply and, after a write with min_replica_acks, the reply to the
-  // WAIT sent with it.
-  struct Single {
-    ReplyPtr reply;
-    ReplyPtr wait;
-  };
-
   // Runs f(connection); a request that never left this process is sent once more on a fresh
   // connection (it cannot have run). Throws InDoubt when it may have run.
   template <class F>
@@ -254,40 +240,6 @@ private:
     }
   }
 
-  // attempt(f); with Resend::same_holder a lost reply sends the same request once more on a fresh
-  // connection: the scripts answer a step this holder already made as made. If that cannot be
-  // done or does not settle it (no reply again, an error reply), the outcome is unknown.
-  template <class F>
-  auto with_resend(F&& f, Resend resend, std::string_view what) {
-    if (resend == Resend::never) return with_connection(f);
-    Attempt a;
-    Decision d;
-    for (;;) {
-      try {
-        auto result = attempt(f);
-        const redisReply* bad = a.resent ? first_error(result) : nullptr;
-        if (bad == nullptr) return result;
-        d = on_resent_reply(a, bad, what);
-      } catch (const InDoubt& e) {
-        d = on_lost(a, e.failure, resend, what);
-      } catch (const error& e) {
-        if (!a.resent) throw;
-        d = on_unsent(a, std::current_exception(), e.what(), what);
-      }
-      if (d.next != Next::resend) std::rethrow_exception(d.error);
-    }
-  }
-  // An error reply after a resend leaves the call in doubt.
-  static const redisReply* first_error(const Single& r) { return is_error(r.reply.get()) ? r.reply.get() : nullptr; }
-
-  // Sends the requests `p` (and WAIT after them when `wait` is not null), reads every reply into
-  // out[0..p.size()), reloads and resends NOSCRIPT ones.
-  template <class Requests>
-  void run_scripts(Link& c, Script s, const Requests& p, const ReplyErrorHints& hints, ReplyPtr* out,
-                   ReplyPtr* wait) const;
-  // Throws durability_error when one of the n replies changed a record and WAIT counted too few replicas.
-  void check_acks(Script s, const ReplyPtr* replies, std::size_t n, const ReplyPtr& wait) const;
-
   [[noreturn]] void throw_unsent(const NotSent& e) const;
   // An I/O failure on `c`: InDoubt when the request may have run, else the typed error; TLS
   // refusing the session is connection_error "TLS", not retryable.
@@ -309,16 +261,12 @@ private:
 
   // Writes `data` whole; throws NotSent when not even its first `first` bytes (its first request) left.
   void send(Link& c, std::string_view data, std::size_t first) const;
-  // Writes `data` after an earlier request on the same connection: a failure is an I/O error.
-  void resend_after(Link& c, std::string_view data, const char* during) const;
   // The next reply; a failure is InDoubt when the request may have run (`maybe_ran`).
   ReplyPtr read_reply(Link& c, const char* during, bool maybe_ran = true) const;
-  void load(Link& c, Script s, const ReplyErrorHints& hints) const;
   static void check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints);
 
   RedisOptions opt_;
   std::unique_ptr<const Tls> tls_;  // null without TLS; built once, shared by every connection
-  std::string wait_;  // the formatted `WAIT n timeout`, "" when min_replica_acks is 0
   std::vector<Endpoint> sentinels_;
   mutable std::mutex master_mu_;         // guards master_ and first_sentinel_, serialises discovery
   mutable Endpoint master_;              // Sentinel mode: the master last discovered

@@ -88,7 +88,7 @@ std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked
 }
 
 Cluster::Cluster(const RedisOptions& o)
-    : node_options_(o), seeds_(endpoints(o.cluster_nodes, 6379, "cluster node")), max_redirects_(o.max_redirects) {
+    : node_options_(o), seeds_(endpoints(o.cluster_nodes, 6379, "cluster node")) {
   node_options_.cluster_nodes.clear();
   node_options_.url.clear();
   node_options_.unix_socket.clear();
@@ -127,7 +127,7 @@ void Cluster::read_map(const std::vector<Endpoint>& nodes) {
   const Request ask = Command().arg("CLUSTER").arg("SLOTS").format();
   for (const Endpoint& at : nodes) {
     try {
-      if (accept_slots(at, node_at(at)->call(ask, "to CLUSTER SLOTS", -1).get(), why)) return;
+      if (accept_slots(at, node_at(at)->call(ask.view(), "to CLUSTER SLOTS").get(), why)) return;
     } catch (const error& e) {
       fmt::format_to(std::back_inserter(why), "; {}: {}", describe(at), e.what());
     }
@@ -168,7 +168,6 @@ void Cluster::install(const std::vector<SlotRange>& ranges) {
   std::lock_guard lock(mu_);
   owner_ = owner;
   masters_ = std::move(masters);
-  master_clients_.assign(masters_.size(), nullptr);
   refreshing_ = false;
   refreshes_.fetch_add(1);
 }
@@ -197,19 +196,6 @@ RedisOptions Cluster::node_options(const Endpoint& at) const {
   o.host = at.host;
   o.port = at.port;
   return o;
-}
-
-void Cluster::refresh_if_stale() {
-  // One thread reads the map; the others go on with the one they have (a MOVED already fixed the
-  // slot that sent them here).
-  const std::vector<Endpoint> nodes = begin_refresh();
-  if (nodes.empty()) return;
-  try {
-    read_map(nodes);
-  } catch (...) {
-    refresh_failed();
-    throw;
-  }
 }
 
 std::shared_ptr<Client> Cluster::node_at(const Endpoint& at) {
@@ -245,79 +231,13 @@ Endpoint Cluster::master_of(int slot) {
   throw_no_master(slot);
 }
 
-std::shared_ptr<Client> Cluster::node_of(int slot) {
-  check_slot(slot);
-  refresh_if_stale();
-  Endpoint at;
-  int i;
-  {
-    // The hot path: one lock, the master's client by index (no name built, no map searched).
-    std::lock_guard lock(mu_);
-    i = owner_[static_cast<std::size_t>(slot)];
-    if (i >= 0) {
-      if (const auto& c = master_clients_[static_cast<std::size_t>(i)]) return c;
-      at = masters_[static_cast<std::size_t>(i)];
-    }
-  }
-  if (i < 0) {
-    suspect();
-    throw_no_master(slot);
-  }
-  std::shared_ptr<Client> c = node_at(at);
-  std::lock_guard lock(mu_);
-  const auto u = static_cast<std::size_t>(i);
-  if (u < masters_.size() && masters_[u].host == at.host && masters_[u].port == at.port) master_clients_[u] = c;
-  return c;
-}
-
-template <class Send>
-ReplyPtr Cluster::routed(int slot, std::string_view what, const Send& send, ReplyPtr first) {
-  std::optional<Endpoint> ask;
-  Attempt a;
-  for (;;) {
-    ReplyPtr r = std::move(first);
-    if (!r) try {
-        std::shared_ptr<Client> node = ask ? node_at(*ask) : node_of(slot);
-        r = send(*node, ask.has_value());
-      } catch (const store_error& e) {
-        if (e.code() != "POOL") suspect();  // a node down or gone: the map may be out of date
-        throw;
-      }
-    if (!is_error(r.get())) return r;
-    Decision d = on_redirect(a, r.get(), max_redirects_, what, slot);
-    switch (d.next) {
-      case Next::later:
-        tryagain_.fetch_add(1);
-        ask.reset();
-        std::this_thread::sleep_for(d.delay);
-        continue;
-      case Next::ask:
-        ask_.fetch_add(1);
-        ask = std::move(d.to.to);  // this call only: the slot is still the old master's
-        continue;
-      case Next::moved:
-        ask.reset();
-        moved(d.to);
-        continue;
-      case Next::fail:
-        std::rethrow_exception(d.error);
-      default:
-        if (error_code(reply_text(r.get())) == "CLUSTERDOWN") suspect();
-        return r;  // the caller maps it
-    }
-  }
-}
-
 void Cluster::moved(const Redirect& to) {
   moved_.fetch_add(1);
   {
     std::lock_guard lock(mu_);
     auto it = std::find_if(masters_.begin(), masters_.end(),
                            [&](const Endpoint& m) { return m.host == to.to.host && m.port == to.to.port; });
-    if (it == masters_.end()) {
-      it = masters_.insert(masters_.end(), to.to);
-      master_clients_.push_back(nullptr);
-    }
+    if (it == masters_.end()) it = masters_.insert(masters_.end(), to.to);
     owner_[static_cast<std::size_t>(to.slot)] = static_cast<std::int16_t>(it - masters_.begin());
   }
   suspect();  // slots move together: read the whole map again (at most every 50 ms)
@@ -327,18 +247,6 @@ void Cluster::redirected(const Redirect& to) {
   if (to.ask) ask_.fetch_add(1);
   else moved(to);
 }
-
-ReplyPtr Cluster::eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
-                       ReplyPtr first) {
-  return routed(
-      slot, script(s).name, [&](Client& node, bool asking) { return node.eval_at(s, req, hints, resend, asking); },
-      std::move(first));
-}
-
-ReplyPtr Cluster::call(const Request& req, const char* during, int slot) {
-  return routed(slot, "the command", [&](Client& node, bool asking) { return node.call_at(req.view(), during, asking); });
-}
-
 
 ServerConfig Cluster::server_config() {
   std::vector<Endpoint> masters;

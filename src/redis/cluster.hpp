@@ -1,8 +1,9 @@
 #pragma once
-// Internal to idem_redis: Redis Cluster routing for Client. The slot map (CLUSTER SLOTS), one
-// Client per master (each a pool to one server, with the scripts loaded there), MOVED, ASK and
-// TRYAGAIN followed a bounded number of times, the map read again after a redirection or a lost
-// connection, and batches split by node, every node's share sent at once.
+// Internal to idem_redis: the Redis Cluster's slot map (CLUSTER SLOTS) for the engine, which routes
+// and follows MOVED / ASK / TRYAGAIN itself (engine.cpp, by the reply machine's rules). Read at
+// construction through a Client per master (each checked: reachable, the scripts loaded) and
+// again by the engine, as requests of its own, when a redirection or a lost connection puts it
+// in doubt.
 //
 // hiredis 0.14 has no cluster support and Debian 12 packages no cluster client, so this is ours;
 // its parsing is pure (parse_redirect, parse_slots) and tested alone (redis_cluster_unit_test).
@@ -48,10 +49,6 @@ public:
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;
 
-  // `first`: the reply a sending of `req` already had (a pipeline's), settled by the same rules.
-  ReplyPtr eval(Script s, std::string_view req, const ReplyErrorHints& hints, Resend resend, int slot,
-                ReplyPtr first = nullptr);
-  ReplyPtr call(const Request& req, const char* during, int slot);
   // The settings of every master, the least safe first (what RedisStore checks at construction).
   ServerConfig server_config();
   // For a router that does its own I/O (AsyncRedisStore's engine): the master of `slot` in the
@@ -60,9 +57,10 @@ public:
   // of a connection to the node at `at`.
   Endpoint master_of(int slot);
   void redirected(const Redirect& to);
+  void retried() noexcept { tryagain_.fetch_add(1); }  // a TRYAGAIN answer, sent again after its delay
   void doubt() noexcept { suspect(); }
   [[nodiscard]] RedisOptions node_options(const Endpoint& at) const;
-  // Reading the map again (this class's own blocking reading and such a router's): when the map
+  // Reading the map again (the engine's): when the map
   // is in doubt and no reading is under way or was begun in the last 50 ms, begin_refresh() gives
   // the nodes to ask CLUSTER SLOTS, in turn (the known masters, then the seeds); each answer goes to
   // accept_slots() (true: installed; else why not, appended to `why`; store_error on a reply of
@@ -75,8 +73,6 @@ public:
   void add_stats(RedisClientStats& s) const noexcept;
 
 private:
-  // The client of the master that owns `slot` (the map read again first when it is in doubt).
-  std::shared_ptr<Client> node_of(int slot);
   // The client for the node at `at`, built on first use.
   std::shared_ptr<Client> node_at(const Endpoint& at);
   // Asks `nodes` in turn for CLUSTER SLOTS and installs the first answer; throws when none answers.
@@ -84,11 +80,6 @@ private:
   void install(const std::vector<SlotRange>& ranges);
   // The nodes to ask for the map: the known masters, then the seeds not among them.
   std::vector<Endpoint> candidates() const;
-  void refresh_if_stale();
-  // Sends one request to the owner of `slot` through `send(client, asking)` until it is not
-  // redirected, at most max_redirects times; with `first`, that reply stands for the first sending.
-  template <class Send>
-  ReplyPtr routed(int slot, std::string_view what, const Send& send, ReplyPtr first = nullptr);
   // A MOVED answer: the slot's new master, and the whole map read again soon.
   void moved(const Redirect& to);
   // A node failed under a call: the map may be out of date (a failover), read it again.
@@ -96,12 +87,10 @@ private:
 
   RedisOptions node_options_;  // a node's options: the cluster's, with no seeds and its own address
   std::vector<Endpoint> seeds_;
-  int max_redirects_;
 
   mutable std::mutex mu_;                                     // guards everything below but the atomics
   std::array<std::int16_t, slot_count> owner_{};              // index into masters_; -1 = no master
   std::vector<Endpoint> masters_;
-  std::vector<std::shared_ptr<Client>> master_clients_;  // by index into masters_, filled on first use
   std::unordered_map<std::string, std::shared_ptr<Client>> nodes_;  // by describe(endpoint)
   std::chrono::steady_clock::time_point last_begun_{};  // begin_refresh's last reading
   bool refreshing_ = false;                              // begin_refresh's reading under way

@@ -200,7 +200,7 @@ AsyncRedisStats stats(const Engine& e) noexcept;
 
 
 // How many blocked callers at once the engine serves each on a connection of its own (its lanes:
-// pool.size off a cluster, 1 on one); past that they are multiplexed.
+// pool.size, per master on a cluster); past that they are multiplexed.
 int lanes(const Engine& e) noexcept;
 // Counts a blocked caller in among the engine's (`count` is set to the count, for the caller to
 // give back once answered): true when it is among the first lanes(e), to go through call().

@@ -1,9 +1,9 @@
-// The Redis stores' engine (connection.hpp): off a cluster, connections to the server (plain,
-// TLS, Sentinel) — the first carries the async callers' requests, and each (a lane, pool.size of
-// them, opened on first use) serves a blocked caller on its own thread while idle; in cluster mode
-// one connection per node, each request sent to the master of its key's slot. A request answered MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back
-// here and it goes where the answer says (MOVED also fixes the slot map), at most max_redirects
-// times.
+// The Redis stores' engine (connection.hpp): connections to the server (plain, TLS, Sentinel), or
+// in cluster mode to each node, every request sent to the master of its key's slot. Each server
+// has pool.size connections (lanes, opened on first use): the first carries the async callers'
+// requests, and each serves a blocked caller on its own thread while idle. A request answered
+// MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back here and it goes where the
+// answer says (MOVED also fixes the slot map), at most max_redirects times.
 //
 // The slot map is the store's blocking client's (src/redis/cluster.cpp), read at construction.
 // The engine never blocks on it afterwards: a route looks the slot up as the map is, and when the
@@ -37,10 +37,8 @@ public:
   Engine(net::any_io_executor ex, const RedisOptions& o, std::shared_ptr<Client> client)
       : ex_(std::move(ex)), opt_(o), client_(std::move(client)) {
     if (client_->clustered()) return;
-    // Lanes: connections made now, each opened when it is first given a request.
-    for (std::size_t i = 0; i < std::max<std::size_t>(1, opt_.pool.size); ++i)
-      lanes_.push_back(make_connection(ex_, opt_, client_));
-    single_ = lanes_.front();
+    server_ = make_lanes(client_, {});
+    single_ = server_->lanes.front();
   }
 
   void submit(std::unique_ptr<Op> op) {
@@ -48,21 +46,22 @@ public:
     route(std::move(op), nullptr);
   }
   void call(std::unique_ptr<Op> op) {
-    if (single_) return call_lane(op);
+    if (single_) return call_lane(*server_, op);
     route(std::move(op), nullptr, true);
   }
   void call(std::vector<std::unique_ptr<Op>> ops) {
-    if (single_ && fits_one_call(ops, opt_)) return call_lane(ops);
+    if (single_ && fits_one_call(ops, opt_)) return call_lane(*server_, ops);
     submit(std::move(ops));
   }
-  int lanes() const noexcept { return single_ ? static_cast<int>(lanes_.size()) : 1; }
+  // Per server (each master on a cluster).
+  int lanes() const noexcept { return static_cast<int>(std::max<std::size_t>(1, opt_.pool.size)); }
   // Cluster mode: one post per master, so each master's share leaves coalesced (per slot).
   void submit(std::vector<std::unique_ptr<Op>> ops) {
     if (single_) return asio_redis::submit(*single_, std::move(ops));
     std::vector<std::pair<std::shared_ptr<Connection>, std::vector<std::unique_ptr<Op>>>> per_master;
     for (auto& op : ops) {
       std::shared_ptr<Connection> conn;
-      if (auto e = capture([&] { conn = connection_to(map().master_of(op->slot)); })) {
+      if (auto e = capture([&] { conn = node_to(map().master_of(op->slot))->lanes.front(); })) {
         fail(std::move(op), e);
         continue;
       }
@@ -79,23 +78,26 @@ public:
 
   void shutdown() {
     if (single_) {
-      for (auto& lane : lanes_) asio_redis::shutdown(*lane);
+      for (auto& lane : server_->lanes) asio_redis::shutdown(*lane);
       return;
     }
-    std::unordered_map<std::string, std::shared_ptr<Connection>> nodes;
+    std::unordered_map<std::string, std::shared_ptr<Lanes>> nodes;
     {
       std::lock_guard lk(mu_);
       closed_ = true;
       nodes.swap(nodes_);
     }
-    for (auto& [_, conn] : nodes) asio_redis::shutdown(*conn);
+    for (auto& [_, node] : nodes)
+      for (auto& lane : node->lanes) asio_redis::shutdown(*lane);
   }
 
   AsyncRedisStats stats() const noexcept {
-    std::vector<std::shared_ptr<Connection>> conns = lanes_;
-    if (!single_) {
+    std::vector<std::shared_ptr<Connection>> conns;
+    if (single_) {
+      conns = server_->lanes;
+    } else {
       std::lock_guard lk(mu_);
-      for (const auto& [_, conn] : nodes_) conns.push_back(conn);
+      for (const auto& [_, node] : nodes_) conns.insert(conns.end(), node->lanes.begin(), node->lanes.end());
     }
     AsyncRedisStats sum;
     for (const auto& conn : conns) {
@@ -120,6 +122,7 @@ public:
     }
     // TRYAGAIN: a slot in migration holds some of a coalesced call's keys and not the others.
     // The callers did not ask for one call: each step goes alone (served by the source, or ASK).
+    map().retried();
     if (auto steps = op->dissolve(); !steps.empty()) {
       for (auto& m : steps) route(std::move(m), nullptr);
       return;
@@ -128,7 +131,7 @@ public:
     auto timer = std::make_shared<net::steady_timer>(ex_, d.delay);
     timer->async_wait([timer, weak = weak_from_this(), op = std::move(op)](boost::system::error_code) mutable {
       if (auto self = weak.lock()) return self->route(std::move(op), nullptr);
-      op->finish(capture([] { throw usage_error("idem: this AsyncRedisStore is being destroyed"); }), nullptr);
+      op->finish(capture([] { throw usage_error("idem: this Redis store is being destroyed"); }), nullptr);
     });
   }
 
@@ -160,40 +163,51 @@ private:
 
   Cluster& map() noexcept { return client_->cluster(); }
 
-  // A blocked caller's request(s) off a cluster: on the first idle lane, on the caller's thread;
+  // One server's connections: made at once, each opened when it is first given a request.
+  struct Lanes {
+    std::vector<std::shared_ptr<Connection>> lanes;  // [0] carries the async callers' requests
+    std::atomic<std::size_t> opened{0};              // lanes[0, opened) have had blocked callers' requests
+  };
+  std::shared_ptr<Lanes> make_lanes(const std::shared_ptr<const Client>& factory, std::weak_ptr<Routing> routing) {
+    auto out = std::make_shared<Lanes>();
+    for (int i = 0; i < lanes(); ++i) out->lanes.push_back(make_connection(ex_, opt_, factory, routing));
+    return out;
+  }
+
+  // A blocked caller's request(s) to server `s`: on its first idle lane, on the caller's thread;
   // else to a lane not opened yet (it opens, then serves callers as the others do); else queued
   // on the first, multiplexed with the async callers'.
   template <class Ops>
-  void call_lane(Ops& ops) {
-    std::size_t open = opened_.load(std::memory_order_acquire);
+  static void call_lane(Lanes& s, Ops& ops) {
+    std::size_t open = s.opened.load(std::memory_order_acquire);
     for (std::size_t i = 0; i < open; ++i)
-      if (asio_redis::try_call(*lanes_[i], ops)) return;
-    while (open < lanes_.size() && !opened_.compare_exchange_weak(open, open + 1, std::memory_order_acq_rel)) {
+      if (asio_redis::try_call(*s.lanes[i], ops)) return;
+    while (open < s.lanes.size() && !s.opened.compare_exchange_weak(open, open + 1, std::memory_order_acq_rel)) {
     }
-    asio_redis::submit(open < lanes_.size() ? *lanes_[open] : *single_, std::move(ops));
+    asio_redis::submit(open < s.lanes.size() ? *s.lanes[open] : *s.lanes.front(), std::move(ops));
   }
 
   // To the master of op->slot, or to `ask_to` (ASK); `here`: a blocked caller's (call). A routing
   // failure (no master for the slot in the map, the store being destroyed) is the call's error,
   // in doubt if it was a resend.
   void route(std::unique_ptr<Op> op, const Endpoint* ask_to, bool here = false) {
-    std::shared_ptr<Connection> conn;
-    if (auto e = capture([&] { conn = connection_to(ask_to ? *ask_to : map().master_of(op->slot)); }))
+    std::shared_ptr<Lanes> node;
+    if (auto e = capture([&] { node = node_to(ask_to ? *ask_to : map().master_of(op->slot)); }))
       return fail(std::move(op), e);
     refresh_if_due();
-    if (here) return asio_redis::call(*conn, std::move(op));
-    asio_redis::submit(*conn, std::move(op));
+    if (here) return call_lane(*node, op);
+    asio_redis::submit(*node->lanes.front(), std::move(op));
   }
 
-  // The node's connection, made on first use; its factory connects nothing until it is asked to.
-  std::shared_ptr<Connection> connection_to(const Endpoint& at) {
+  // The node's connections, made on first use; their factory connects nothing until asked to.
+  std::shared_ptr<Lanes> node_to(const Endpoint& at) {
     std::string name = describe(at);
     std::lock_guard lk(mu_);
-    if (closed_) throw usage_error("idem: this AsyncRedisStore is being destroyed");
+    if (closed_) throw usage_error("idem: this Redis store is being destroyed");
     auto it = nodes_.find(name);
     if (it == nodes_.end()) {
       auto factory = std::make_shared<const Client>(map().node_options(at), Client::FactoryOnly{});
-      it = nodes_.emplace(std::move(name), make_connection(ex_, opt_, std::move(factory), weak_from_this())).first;
+      it = nodes_.emplace(std::move(name), make_lanes(factory, weak_from_this())).first;
     }
     return it->second;
   }
@@ -204,7 +218,7 @@ private:
 
   void ask_slots(std::vector<Endpoint> nodes, std::size_t at) {
     std::shared_ptr<Connection> conn;
-    if (at >= nodes.size() || capture([&] { conn = connection_to(nodes[at]); })) return map().refresh_failed();
+    if (at >= nodes.size() || capture([&] { conn = node_to(nodes[at])->lanes.front(); })) return map().refresh_failed();
     asio_redis::submit(*conn, std::make_unique<SlotsRequest>(weak_from_this(), std::move(nodes), at));
   }
 
@@ -221,11 +235,10 @@ private:
   net::any_io_executor ex_;
   RedisOptions opt_;
   std::shared_ptr<Client> client_;      // the factory, and in cluster mode the slot map
-  std::shared_ptr<Connection> single_;  // not in cluster mode: the first lane, the async callers' connection
-  std::vector<std::shared_ptr<Connection>> lanes_;  // not in cluster mode: pool.size connections, made at once
-  std::atomic<std::size_t> opened_{0};  // lanes_[0, opened_) have been given blocked callers' requests
+  std::shared_ptr<Lanes> server_;       // not in cluster mode: the server's lanes
+  std::shared_ptr<Connection> single_;  // not in cluster mode: its first lane, the async callers' connection
   mutable std::mutex mu_;               // cluster mode: guards nodes_ and closed_
-  std::unordered_map<std::string, std::shared_ptr<Connection>> nodes_;  // by "host:port"
+  std::unordered_map<std::string, std::shared_ptr<Lanes>> nodes_;  // by "host:port"
   bool closed_ = false;
   // Shared with each blocked caller's Waiter: a caller still waiting when the store goes away is
   // answered (in doubt) after the engine is gone.

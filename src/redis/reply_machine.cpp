@@ -33,6 +33,8 @@ std::chrono::milliseconds tryagain_delay(int redirects) noexcept {
   return std::chrono::milliseconds(std::min(5 << std::clamp(redirects, 1, 5), 100));
 }
 
+namespace {
+// The redirection rule of on_reply: deliver when `r` is not MOVED, ASK or TRYAGAIN.
 Decision on_redirect(Attempt& a, const redisReply* r, int max_redirects, std::string_view what, int slot) {
   if (!is_error(r)) return {};
   const std::string_view text = reply_text(r);
@@ -58,6 +60,7 @@ Decision on_redirect(Attempt& a, const redisReply* r, int max_redirects, std::st
   d.to = std::move(*to);
   return d;
 }
+}  // namespace
 
 Decision on_reply(Attempt& a, const redisReply* r, const Route& route, std::string_view what, int slot) {
   if (!is_error(r)) return {};

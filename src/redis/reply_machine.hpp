@@ -1,9 +1,8 @@
 #pragma once
 // Internal to idem_redis: what happens to one Redis request between its sending and its caller,
-// decided without I/O. Both transports feed it what they saw — a reply, a lost reply, a request
-// that could not be sent — and do what it answers: the blocking client (client.hpp's
-// with_resend, cluster.cpp's routed) and the multiplexed connection (src/asio/connection.cpp,
-// engine.cpp). So each rule is written once, here: MOVED / ASK / TRYAGAIN followed at most
+// decided without I/O. The transport (connection.cpp, engine.cpp, coalesce.cpp) feeds it what it
+// saw — a reply, a lost reply, a request that could not be sent — and does what it answers, for
+// every Redis entry point. So each rule is written once, here: MOVED / ASK / TRYAGAIN followed at most
 // max_redirects times with TRYAGAIN's backoff, NOSCRIPT reloaded once, a demoted master left, a
 // lost reply resent once as the same holder, and what is then in doubt reported as
 // outcome_unknown_error, never guessed. Tested step by step in tests/redis/reply_machine_test.cpp.
@@ -62,10 +61,6 @@ Decision on_reply(Attempt& a, const redisReply* r, const Route& route, std::stri
 // sending's outcome is unknown), or the first sending (deliver). For replies the transport has
 // already passed through the other rules (a pipeline's, a coalesced call's members').
 Decision on_resent_reply(const Attempt& a, const redisReply* r, std::string_view what);
-
-// The redirection part of on_reply alone, for a transport that reloads and resends by itself
-// below its router (the blocking client): deliver when `r` is not MOVED, ASK or TRYAGAIN.
-Decision on_redirect(Attempt& a, const redisReply* r, int max_redirects, std::string_view what, int slot);
 
 // The request was sent and its reply lost (`f`: a broken connection or command_timeout); updates `a`.
 // Resend for a holder's first sending; a second loss, or a request that is not a holder's, fails.

@@ -101,8 +101,8 @@ TEST_CASE("reply machine: with no router a redirection is the caller's error rep
   const auto moved = error_reply("MOVED 12 127.0.0.1:7001");
   CHECK(on_reply(a, moved.get(), plain, "acquire", -1).next == Next::deliver);
   CHECK(a.redirects == 0);
-  CHECK(on_redirect(a, error_reply("ERR wrong number of arguments").get(), 5, "acquire", 1).next == Next::deliver);
-  CHECK(on_redirect(a, reply_of("+OK\r\n").get(), 5, "acquire", 1).next == Next::deliver);
+  CHECK(on_reply(a, error_reply("ERR wrong number of arguments").get(), cluster, "acquire", 1).next == Next::deliver);
+  CHECK(on_reply(a, reply_of("+OK\r\n").get(), cluster, "acquire", 1).next == Next::deliver);
 }
 
 TEST_CASE("reply machine: TRYAGAIN waits longer each time, at most 100 ms", "[redis][reply_machine]") {
