@@ -75,11 +75,9 @@ struct RedisStreamsPublisher::Impl {
 RedisStreamsPublisher::RedisStreamsPublisher(RedisStreamsPublisherOptions options)
     : impl_(std::make_unique<Impl>()) {
   impl_->opt = checked(std::move(options));
-  // On a cluster a routing Client (it maps the slots now: a wrong seed list fails here); otherwise
-  // one that connects at the first publish, so a relay starts while Redis is down.
-  impl_->client = impl_->opt.redis.cluster_nodes.empty()
-                       ? std::make_unique<Client>(impl_->opt.redis, Client::FactoryOnly{})
-                       : std::make_unique<Client>(impl_->opt.redis);
+  // It connects at the first publish, so a relay starts while Redis is down; on a cluster it reads
+  // the slot map now (a wrong seed list fails here).
+  impl_->client = std::make_unique<Client>(impl_->opt.redis, Client::FactoryOnly{});
 }
 
 RedisStreamsPublisher::~RedisStreamsPublisher() = default;

@@ -1,7 +1,7 @@
-// RedisAdmin (include/idem/redis/admin.hpp): connections of its own, opened by the stores' own
-// connection factory (open_connection: TCP or a Unix socket, TLS and mutual TLS with hostname
-// checks; Sentinel finds the master), so every URL a store takes reaches the operator's tool too.
-// No pool, no scripts loaded at connect: doctor must work for a user who may not load them.
+// RedisAdmin (include/idem/redis/admin.hpp): plain commands on the Redis engine of a client of its
+// own (admin_impl.hpp), so every URL a store takes reaches the operator's tool too (TCP or a Unix
+// socket, TLS and mutual TLS, Sentinel, Cluster). No scripts loaded at connect: doctor must work
+// for a user who may not load them.
 
 
 #include "admin_impl.hpp"

@@ -1,6 +1,8 @@
 #pragma once
-// RedisAdmin's private parts (admin.cpp): its connections (Node), the raw command helpers and
-// RedisAdmin::Impl, shared by admin.cpp (inspect, list, release, stats) and admin_doctor.cpp.
+// RedisAdmin's private parts (admin.cpp): the nodes it reads (Node), the raw command helpers and
+// RedisAdmin::Impl, shared by admin.cpp (inspect, list, release, stats) and admin_doctor.cpp. Every
+// command travels on the Redis engine of a client of the admin's own (the stores' transport and
+// handshake: TLS, AUTH, SELECT, Sentinel, the slot map), sent to a node by name.
 
 #include "idem/redis/admin.hpp"
 
@@ -16,7 +18,7 @@
 #include "client.hpp"
 #include "cluster.hpp"
 #include "command.hpp"
-#include "tls.hpp"
+#include "engine_store.hpp"
 #include "idem/core/error.hpp"
 #include "idem/redis/hash_slot.hpp"
 
@@ -26,14 +28,14 @@ namespace admin_detail {
 
 using ReplyPtr = std::unique_ptr<redisReply, void (*)(void*)>;
 
+// The server, or one master of the cluster.
 struct Node {
-  std::string host;
-  int port = 0;
-  std::string socket;
-  detail::redis::Link link;
+  detail::asio_redis::EngineStore* engine = nullptr;
+  detail::redis::Endpoint at;  // cluster mode: the master; empty host: the one server
+  std::string label;           // its name in messages
   std::string inspect_sha, release_sha;
 
-  [[nodiscard]] std::string name() const { return socket.empty() ? fmt::format("{}:{}", host, port) : socket; }
+  [[nodiscard]] const std::string& name() const { return label; }
 };
 
 inline std::string reply_text(const redisReply* r) {
@@ -66,30 +68,26 @@ inline std::int64_t reply_int(const redisReply* r) {
   throw store_error(fmt::format("idem: {} on {} failed: {}", what, n.name(), text), code, false);
 }
 
+inline detail::asio_redis::EngineStore::PlainCommand plain(const Node& n, const std::vector<std::string>& args) {
+  detail::redis::Command c;
+  for (const auto& a : args) c.arg(std::string_view(a));
+  return {std::string(c.format().view()), args.front(), -1, n.at};
+}
+
 // Every request sent before any reply is read: one round trip per page, however many keys.
 inline std::vector<ReplyPtr> pipeline(Node& n, const std::vector<std::vector<std::string>>& cmds) {
-  std::string out;
-  for (const auto& args : cmds) {
-    detail::redis::Command c;
-    for (const auto& a : args) c.arg(std::string_view(a));
-    out += c.format().view();
-  }
-  if (n.link.write(out) != out.size())
-    throw connection_error(fmt::format("idem: cannot send to {}: {}", n.name(),
-                                       detail::redis::reader_error(n.link->err, n.link->errstr)));
+  std::vector<detail::asio_redis::EngineStore::PlainCommand> out;
+  out.reserve(cmds.size());
+  for (const auto& args : cmds) out.push_back(plain(n, args));
   std::vector<ReplyPtr> replies;
   replies.reserve(cmds.size());
-  for (std::size_t i = 0; i < cmds.size(); ++i) {
-    detail::redis::ReplyPtr r = n.link.read();
-    if (!r)
-      throw connection_error(fmt::format("idem: the connection to {} failed: {}", n.name(),
-                                         detail::redis::reader_error(n.link->err, n.link->errstr)));
-    replies.emplace_back(r.release(), freeReplyObject);
-  }
+  for (auto& r : n.engine->commands(std::move(out))) replies.emplace_back(r.release(), freeReplyObject);
   return replies;
 }
 
-inline ReplyPtr command(Node& n, const std::vector<std::string>& args) { return std::move(pipeline(n, {args}).front()); }
+inline ReplyPtr command(Node& n, const std::vector<std::string>& args) {
+  return ReplyPtr(n.engine->command(plain(n, args)).release(), freeReplyObject);
+}
 
 // A command whose error reply is an exception.
 inline ReplyPtr checked(Node& n, const std::vector<std::string>& args) {
@@ -151,29 +149,12 @@ inline int version_number(const std::string& v) {
 using namespace admin_detail;
 
 struct RedisAdmin::Impl {
-  RedisOptions opt;
-  std::unique_ptr<const detail::redis::Tls> tls;  // rediss://: the stores' TLS, CA and name checks
+  // Its engine: no scripts loaded and no server check, so doctor works for a user who may not
+  // load scripts or read CONFIG; on a cluster the slot map is read (a cluster not ok is readable).
+  std::unique_ptr<detail::redis::Client> client;
+  const RedisOptions& opt;  // the client's (URL applied)
   std::vector<Node> nodes;  // the server, or every master of the cluster
-  // Cluster: slot ranges of each node, as CLUSTER SLOTS gave them.
-  struct Range {
-    int first, last;
-    std::size_t node;
-  };
-  std::vector<Range> ranges;
   bool cluster = false;
-
-  void connect(Node& n) const {
-    const detail::redis::Endpoint to = n.socket.empty() ? detail::redis::Endpoint{n.host, n.port}
-                                                        : detail::redis::Endpoint{n.socket, 0};
-    n.link = detail::redis::open_connection(to, opt, "Redis", tls.get());
-    if (!opt.password.empty()) {
-      auto r = opt.user.empty() ? command(n, {"AUTH", opt.password}) : command(n, {"AUTH", opt.user, opt.password});
-      if (r->type == REDIS_REPLY_ERROR)
-        throw store_error(fmt::format("idem: authentication to {} failed: {}", n.name(), reply_text(r.get())),
-                          "WRONGPASS", false);
-    }
-    if (opt.db != 0) checked(n, {"SELECT", std::to_string(opt.db)});
-  }
 
   // Loaded on first use, not at connect: doctor must work for a user who may not load scripts.
   void load_scripts(Node& n) const {
@@ -183,74 +164,35 @@ struct RedisAdmin::Impl {
   }
 
   explicit Impl(RedisOptions o)
-      : opt(o.url.empty() ? std::move(o) : parse_redis_url(o.url, o)),
-        tls(opt.tls.enabled ? std::make_unique<const detail::redis::Tls>(opt.tls) : nullptr) {
-    if (!opt.sentinels.empty()) {
-      // The master the sentinels name now: an admin session is short, it does not follow failovers.
-      std::size_t first = 0;
-      const detail::redis::Endpoint master = detail::redis::discover_master(
-          opt, detail::redis::sentinel_endpoints(opt), opt.tls.sentinels ? tls.get() : nullptr, first);
-      opt.host = master.host;
-      opt.port = master.port;
-      opt.unix_socket.clear();
-    }
-    if (!opt.cluster_nodes.empty()) {
-      cluster = true;
-      discover_cluster();
-    } else {
-      Node n;
-      n.host = opt.host;
-      n.port = opt.port;
-      n.socket = opt.unix_socket;
-      connect(n);
-      nodes.push_back(std::move(n));
-    }
-  }
-
-  void discover_cluster() {
-    std::string last;
-    for (const auto& seed : opt.cluster_nodes) {
-      Node s;
-      const auto colon = seed.rfind(':');
-      s.host = seed.substr(0, colon);
-      if (!s.host.empty() && s.host.front() == '[') s.host = s.host.substr(1, s.host.size() - 2);
-      s.port = std::stoi(seed.substr(colon + 1));
-      try {
-        connect(s);
-        auto r = checked(s, {"CLUSTER", "SLOTS"});
-        // The store's reading of the reply (cluster.cpp): its checks and its rule for a node that
-        // announces no host.
-        std::map<std::string, std::size_t> index;
-        for (detail::redis::SlotRange& range : detail::redis::parse_slots(r.get(), s.host)) {
-          const std::string key = range.master.host + ":" + std::to_string(range.master.port);
-          auto [it, fresh] = index.try_emplace(key, nodes.size());
-          if (fresh) {
-            Node n;
-            n.host = std::move(range.master.host);
-            n.port = range.master.port;
-            connect(n);
-            nodes.push_back(std::move(n));
-          }
-          ranges.push_back({range.first, range.last, it->second});
-        }
-        if (nodes.empty())
-          throw store_error(fmt::format("idem: the cluster at {} has no slots assigned", seed), "", false);
-        return;
-      } catch (const store_error& e) {
-        last = e.what();
-        nodes.clear();
-        ranges.clear();
+      : client(std::make_unique<detail::redis::Client>(std::move(o), detail::redis::Client::FactoryOnly{})),
+        opt(client->options()),
+        cluster(client->clustered()) {
+    auto& engine = client->core().store;
+    if (cluster) {
+      for (auto& m : client->cluster().master_list()) {
+        std::string label = detail::redis::describe(m);
+        nodes.push_back({&engine, std::move(m), std::move(label), {}, {}});
       }
+      if (nodes.empty()) throw store_error("idem: the Redis Cluster has no slots assigned", "", false);
+    } else {
+      nodes.push_back({&engine, {}, {}, {}, {}});
     }
-    throw connection_error(fmt::format("idem: no cluster seed answered CLUSTER SLOTS: {}", last));
+    // One round trip to each node now: a wrong address or password fails here, not mid-listing.
+    for (auto& n : nodes) {
+      if (!cluster) n.label = client->where();  // Sentinel: "" until the master is found
+      (void)checked(n, {"PING"});
+      if (!cluster) n.label = client->where();
+    }
   }
 
   Node& node_of(std::string_view key) {
     if (!cluster) return nodes.front();
-    const int slot = redis_hash_slot(opt.key_prefix + std::string(key));
-    for (const auto& r : ranges)
-      if (slot >= r.first && slot <= r.last) return nodes[r.node];
-    throw store_error(fmt::format("idem: slot {} is not served by any master", slot), "CLUSTERDOWN", true);
+    const detail::redis::Endpoint m = client->cluster().master_of(redis_hash_slot(opt.key_prefix + std::string(key)));
+    for (auto& n : nodes)
+      if (n.at.host == m.host && n.at.port == m.port) return n;
+    throw store_error(fmt::format("idem: {} is not among the masters read at start; run the command again",
+                                  detail::redis::describe(m)),
+                      "CLUSTERDOWN", true);
   }
 
   // admin_inspect's reply (or nullopt for nil) as an AdminRecord.

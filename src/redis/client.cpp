@@ -97,9 +97,7 @@ Client::Client(RedisOptions o, FactoryOnly)
       rediscover_(!sentinels_.empty()),
       pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
   pool_.observe(opt_.observer.get(), "redis");
-  if (!opt_.cluster_nodes.empty())
-    throw invalid_options_error("idem: this connection speaks to one server: redis://, rediss://, unix:// or "
-                                "redis-sentinel://, not redis-cluster://");
+  if (!opt_.cluster_nodes.empty()) cluster_ = std::make_unique<Cluster>(opt_, false);
 }
 
 Client::~Client() { core_.reset(); }

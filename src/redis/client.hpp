@@ -134,9 +134,9 @@ class Cluster;
 class Client {
 public:
   explicit Client(RedisOptions o);
-  // A client used only as the connection factory (open_ready), for a caller that sends commands
-  // of its own (the Redis Streams publisher, the tool's raw session): nothing is connected or
-  // loaded until open_ready. Not in cluster mode (invalid_options_error).
+  // A client used only as the connection factory (open_ready) and its engine, for a caller that
+  // sends commands of its own (the Redis Streams publisher, RedisAdmin): nothing is loaded, nor
+  // connected until the first command — in cluster mode but the slot map, read here.
   struct FactoryOnly {};
   Client(RedisOptions o, FactoryOnly);
   ~Client();

@@ -87,13 +87,14 @@ std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked
   return out;
 }
 
-Cluster::Cluster(const RedisOptions& o)
-    : node_options_(o), seeds_(endpoints(o.cluster_nodes, 6379, "cluster node")) {
+Cluster::Cluster(const RedisOptions& o, bool check)
+    : node_options_(o), seeds_(endpoints(o.cluster_nodes, 6379, "cluster node")), check_(check) {
   node_options_.cluster_nodes.clear();
   node_options_.url.clear();
   node_options_.unix_socket.clear();
   owner_.fill(-1);
   read_map(candidates());
+  if (!check_) return;
   std::vector<Endpoint> masters;
   int uncovered = 0, first_uncovered = -1;
   {
@@ -204,8 +205,10 @@ std::shared_ptr<Client> Cluster::node_at(const Endpoint& at) {
     std::lock_guard lock(mu_);
     if (auto it = nodes_.find(name); it != nodes_.end()) return it->second;
   }
-  // Built outside the lock: it connects and loads the scripts (a dead node takes connect_timeout).
-  auto node = std::make_shared<Client>(node_options(at));
+  // Built outside the lock: checked, it connects and loads the scripts (a dead node takes
+  // connect_timeout); else it connects on its first command.
+  auto node = check_ ? std::make_shared<Client>(node_options(at))
+                     : std::make_shared<Client>(node_options(at), Client::FactoryOnly{});
   std::lock_guard lock(mu_);
   return nodes_.try_emplace(name, std::move(node)).first->second;
 }
@@ -270,6 +273,11 @@ ServerConfig Cluster::server_config() {
     first = false;
   }
   return worst;
+}
+
+std::vector<Endpoint> Cluster::master_list() const {
+  std::lock_guard lock(mu_);
+  return masters_;
 }
 
 std::string Cluster::masters() const {

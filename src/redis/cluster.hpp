@@ -43,9 +43,10 @@ std::vector<SlotRange> parse_slots(const redisReply* r, const std::string& asked
 
 class Cluster {
 public:
-  // Reads the slot map from the first seed that answers and connects to every master, so a
-  // wrong address, password or a cluster that is not ok fails here.
-  explicit Cluster(const RedisOptions& o);
+  // Reads the slot map from the first seed that answers; with `check`, connects to every master
+  // and loads the scripts there, so a wrong address, password or a cluster that is not ok fails
+  // here (without: the operator's tool, which must read a cluster that is not ok).
+  explicit Cluster(const RedisOptions& o, bool check = true);
   Cluster(const Cluster&) = delete;
   Cluster& operator=(const Cluster&) = delete;
 
@@ -68,8 +69,9 @@ public:
   [[nodiscard]] std::vector<Endpoint> begin_refresh();
   bool accept_slots(const Endpoint& at, const redisReply* r, std::string& why);
   void refresh_failed() noexcept;
-  // The masters of the current map, "host:port,host:port,...".
+  // The masters of the current map, "host:port,host:port,...", and as a list.
   [[nodiscard]] std::string masters() const;
+  [[nodiscard]] std::vector<Endpoint> master_list() const;
   void add_stats(RedisClientStats& s) const noexcept;
 
 private:
@@ -87,6 +89,7 @@ private:
 
   RedisOptions node_options_;  // a node's options: the cluster's, with no seeds and its own address
   std::vector<Endpoint> seeds_;
+  bool check_;
 
   mutable std::mutex mu_;                                     // guards everything below but the atomics
   std::array<std::int16_t, slot_count> owner_{};              // index into masters_; -1 = no master

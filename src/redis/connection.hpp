@@ -66,6 +66,9 @@ struct Op {
   // server runs a script on one slot) and ASKING to send before it (an ASK answer: once, to the
   // slot's importing node).
   int slot = -1;
+  // Cluster mode: a keyless command for one node (SCAN, INFO, SCRIPT LOAD of RedisAdmin), sent
+  // there rather than by slot; empty host: by slot.
+  Endpoint node;
   bool asking = false;
   bool asking_sent = false;  // ASKING went before it in this write: its +OK comes first
   bool solo = false;  // never coalesced again: its coalesced call met a slot split by a migration
@@ -200,7 +203,7 @@ AsyncRedisStats stats(const Engine& e) noexcept;
 
 
 // How many blocked callers at once the engine serves each on a connection of its own (its lanes:
-// pool.size, per master on a cluster); past that they are multiplexed.
+// pool.size off a cluster, 1 on one); past that they are multiplexed.
 int lanes(const Engine& e) noexcept;
 // Counts a blocked caller in among the engine's (`count` is set to the count, for the caller to
 // give back once answered): true when it is among the first lanes(e), to go through call().

@@ -1,7 +1,8 @@
 // The Redis stores' engine (connection.hpp): connections to the server (plain, TLS, Sentinel), or
-// in cluster mode to each node, every request sent to the master of its key's slot. Each server
-// has pool.size connections (lanes, opened on first use): the first carries the async callers'
-// requests, and each serves a blocked caller on its own thread while idle. A request answered
+// in cluster mode to each node, every request sent to the master of its key's slot. The server
+// has pool.size connections (lanes, opened on first use; one per master on a cluster): the first
+// carries the async callers' requests, and each serves a blocked caller on its own thread while
+// idle. A request answered
 // MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back here and it goes where the
 // answer says (MOVED also fixes the slot map), at most max_redirects times.
 //
@@ -53,15 +54,18 @@ public:
     if (single_ && fits_one_call(ops, opt_)) return call_lane(*server_, ops);
     submit(std::move(ops));
   }
-  // Per server (each master on a cluster).
-  int lanes() const noexcept { return static_cast<int>(std::max<std::size_t>(1, opt_.pool.size)); }
+  // Per server. On a cluster one connection per master: measured on 2 cores with 3 masters
+  // (bench-topologies, 1 and 16 in flight), pool.size lanes per master were up to 20 % slower.
+  int lanes() const noexcept {
+    return client_->clustered() ? 1 : static_cast<int>(std::max<std::size_t>(1, opt_.pool.size));
+  }
   // Cluster mode: one post per master, so each master's share leaves coalesced (per slot).
   void submit(std::vector<std::unique_ptr<Op>> ops) {
     if (single_) return asio_redis::submit(*single_, std::move(ops));
     std::vector<std::pair<std::shared_ptr<Connection>, std::vector<std::unique_ptr<Op>>>> per_master;
     for (auto& op : ops) {
       std::shared_ptr<Connection> conn;
-      if (auto e = capture([&] { conn = node_to(map().master_of(op->slot))->lanes.front(); })) {
+      if (auto e = capture([&] { conn = node_to(target(*op))->lanes.front(); })) {
         fail(std::move(op), e);
         continue;
       }
@@ -192,12 +196,15 @@ private:
   // in doubt if it was a resend.
   void route(std::unique_ptr<Op> op, const Endpoint* ask_to, bool here = false) {
     std::shared_ptr<Lanes> node;
-    if (auto e = capture([&] { node = node_to(ask_to ? *ask_to : map().master_of(op->slot)); }))
+    if (auto e = capture([&] { node = node_to(ask_to ? *ask_to : target(*op)); }))
       return fail(std::move(op), e);
     refresh_if_due();
     if (here) return call_lane(*node, op);
     asio_redis::submit(*node->lanes.front(), std::move(op));
   }
+
+  // Where `op` goes: its node when it names one, else its slot's master.
+  Endpoint target(const Op& op) { return op.node.host.empty() ? map().master_of(op.slot) : op.node; }
 
   // The node's connections, made on first use; their factory connects nothing until asked to.
   std::shared_ptr<Lanes> node_to(const Endpoint& at) {

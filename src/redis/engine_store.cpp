@@ -112,6 +112,7 @@ std::unique_ptr<Op> plain_op(EngineStore::PlainCommand c, DonePtr<ReplyPtr> done
   op->bytes = std::move(c.bytes);
   op->label = std::move(c.what);
   op->slot = c.slot;
+  op->node = std::move(c.node);
   return op;
 }
 }  // namespace

@@ -138,6 +138,7 @@ public:
     std::string bytes;  // the formatted command
     std::string what;
     int slot = -1;
+    Endpoint node;  // cluster mode: a keyless command's node (a master of cluster_masters()), instead of a slot
   };
   void submit_command(PlainCommand c, DonePtr<ReplyPtr> done);
   ReplyPtr command(PlainCommand c);

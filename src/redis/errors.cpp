@@ -42,7 +42,10 @@ void throw_reply_error(std::string_view text, std::string_view what, const Reply
                       code, true);
   if (code == "NOAUTH" || code == "WRONGPASS")
     throw store_error(
-        fmt::format("{}; set RedisOptions::user/password (or the URL) to credentials the server accepts", msg), code,
+        fmt::format("{}; authentication failed: set RedisOptions::user/password (or the URL) to credentials the "
+                    "server accepts",
+                    msg),
+        code,
         false);
   if (code == "NOPERM") throw store_error(fmt::format("{}{}", msg, hints.noperm), code, false);
   if (code == "WRONGTYPE")

@@ -16,8 +16,8 @@
 namespace idem {
 
 /**
- * Admin access to the records of a RedisStore: connections of its own (one per master; never a
- * store's pool), a single server or a Redis Cluster (`redis-cluster://`: every master is scanned,
+ * Admin access to the records of a RedisStore: a client of its own on the stores' Redis engine
+ * (never a store's connections; TLS, Sentinel), a single server or a Redis Cluster (`redis-cluster://`: every master is scanned,
  * each key goes to its slot's master). Reads go through a script that decodes the record with the
  * stores' own codec on the server; release is one script that checks the fence. Not thread-safe.
  * Errors: invalid_options_error (URL), connection_error, store_error (code NOPERM for a missing
@@ -26,7 +26,7 @@ namespace idem {
  */
 class RedisAdmin {
 public:
-  /// Connects to the server (or every master of the cluster) and loads the admin scripts.
+  /// Connects to the server (or every master of the cluster; one PING each); the admin scripts load on first use.
   explicit RedisAdmin(RedisOptions options);
   ~RedisAdmin();                                    ///< Closes its connections.
   RedisAdmin(const RedisAdmin&) = delete;           ///< Owns connections.

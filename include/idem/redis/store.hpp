@@ -30,7 +30,7 @@ struct RedisCore;
  * themselves after `SCRIPT FLUSH` or a restart. Its calls travel on one multiplexed connection per
  * server (per master on a cluster), the transport AsyncRedisStore uses, driven by a thread of its
  * RedisClient's (every store on one client shares them): a caller that finds a connection idle writes and reads on its own thread (no
- * hand-off; up to pool.size callers at once per server, each on a connection opened for it),
+ * hand-off; off a cluster up to pool.size callers at once, each on a connection opened for it),
  * callers past that are pipelined and auto-batched on the first (RedisOptions::auto_batch). The
  * RedisClient it is built over (its own, or one shared with other stores; client() gives it)
  * checks the server at construction and opens the connections. Thread-safe, move-only (a moved-from store throws usage_error).
