@@ -1,5 +1,5 @@
-// idem::RedisClient (client.hpp): connections from the pool, the handshake, script calls with
-// their recovery (NOSCRIPT, lost replies, redirections, Sentinel rediscovery). The link a call
+// idem::RedisClient (client.hpp): the connection factory (the handshake, Sentinel discovery), the
+// construction's checks on connections of their own, the engine's home. The link a connection
 // writes and reads on is link.cpp.
 
 #include "client.hpp"
@@ -29,12 +29,6 @@ namespace detail::redis {
 
 namespace {
 
-// What the pool's messages call the server.
-std::string pool_name(const RedisOptions& o) {
-  if (!o.sentinels.empty()) return fmt::format("the Redis master '{}' (through Sentinel)", o.sentinel_master);
-  return fmt::format("Redis at {}", o.unix_socket.empty() ? describe({o.host, o.port}) : o.unix_socket);
-}
-
 Command script_load(Script s) {
   Command cmd;
   cmd.arg("SCRIPT").arg("LOAD").arg(script(s).source);
@@ -43,23 +37,13 @@ Command script_load(Script s) {
 
 }  // namespace
 
-// A pooled connection the server closed while idle (restart, idle timeout, CLIENT KILL) reads as
-// ready-with-EOF; it is dropped before use, so a restart costs no failed call. So is one from an
-// older pool generation, or any while the master is in doubt (Sentinel mode).
-bool Client::Traits::alive(connection& c) const noexcept {
-  if (!client->sentinels_.empty() && (c.epoch != client->epoch_.load() || client->rediscover_.load())) return false;
-  return c.link.idle();
-}
-
 Client::Client(RedisOptions o)
     : opt_(resolve_options(std::move(o))),
       tls_(opt_.tls.enabled ? std::make_unique<const Tls>(opt_.tls) : nullptr),
       sentinels_(sentinel_endpoints(opt_)),
-      rediscover_(!sentinels_.empty()),
-      pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
-  pool_.observe(opt_.observer.get(), "redis");
-  // Cluster mode: this client routes; a client per master (each a pool to one server, built by
-  // the cluster) does the rest, and this one's own pool is never used.
+      rediscover_(!sentinels_.empty()) {
+  // Cluster mode: the slot map, and a check of every master (a client per master, built by the
+  // cluster, loads the scripts there).
   if (!opt_.cluster_nodes.empty()) {
     cluster_ = std::make_unique<Cluster>(opt_);
     return;
@@ -67,21 +51,17 @@ Client::Client(RedisOptions o)
   // One connection now, so a wrong address or password fails here and not mid-message; every
   // script is loaded on it in one round trip (a NOSCRIPT later reloads the one it names). With
   // min_replica_acks, ROLE says how many replicas the primary has now: fewer is worth a warning.
-  const int replicas = with_connection([&](Link& c) {
-    Pipeline loads;
-    for (std::size_t i = 0; i < script_count; ++i) loads.add(script_load(static_cast<Script>(i)).format());
-    if (opt_.min_replica_acks > 0) loads.add(Command().arg("ROLE").format());
-    send(c, loads.all(), loads[0].size());
-    std::array<ReplyPtr, script_count> replies;
-    for (auto& r : replies) r = read_reply(c, "to SCRIPT LOAD");
-    for (std::size_t i = 0; i < script_count; ++i) check_loaded(replies[i].get(), static_cast<Script>(i), store_hints);
-    if (opt_.min_replica_acks == 0) return -1;
-    const ReplyPtr role = read_reply(c, "to ROLE");
-    const redisReply* r = role.get();
+  Pipeline loads;
+  for (std::size_t i = 0; i < script_count; ++i) loads.add(script_load(static_cast<Script>(i)).format());
+  if (opt_.min_replica_acks > 0) loads.add(Command().arg("ROLE").format());
+  const std::vector<ReplyPtr> replies = session(loads.all(), loads.size(), "to SCRIPT LOAD");
+  for (std::size_t i = 0; i < script_count; ++i) check_loaded(replies[i].get(), static_cast<Script>(i), store_hints);
+  int replicas = -1;
+  if (opt_.min_replica_acks > 0) {
+    const redisReply* r = replies[script_count].get();
     if (r->type == REDIS_REPLY_ARRAY && r->elements >= 3 && r->element[2]->type == REDIS_REPLY_ARRAY)
-      return static_cast<int>(r->element[2]->elements);
-    return -1;
-  });
+      replicas = static_cast<int>(r->element[2]->elements);
+  }
   if (replicas >= 0 && replicas < opt_.min_replica_acks && opt_.observer)
     opt_.observer->on_warning(
         fmt::format("idem: min_replica_acks is {} but {} has {} replica(s) connected: every "
@@ -94,9 +74,7 @@ Client::Client(RedisOptions o, FactoryOnly)
     : opt_(resolve_options(std::move(o))),
       tls_(opt_.tls.enabled ? std::make_unique<const Tls>(opt_.tls) : nullptr),
       sentinels_(sentinel_endpoints(opt_)),
-      rediscover_(!sentinels_.empty()),
-      pool_(opt_.pool, Traits{this}, pool_name(opt_)) {
-  pool_.observe(opt_.observer.get(), "redis");
+      rediscover_(!sentinels_.empty()) {
   if (!opt_.cluster_nodes.empty()) cluster_ = std::make_unique<Cluster>(opt_, false);
 }
 
@@ -125,11 +103,10 @@ Link Client::open(const Endpoint& to, const char* role, const Tls* tls) const {
 }
 
 // Sends the handshake (AUTH, SELECT, and ROLE in Sentinel mode) in one write and checks each answer.
-Client::Connection Client::connect() const {
+Link Client::connect() const {
   Endpoint to;
-  std::uint64_t epoch = epoch_.load();
   if (!sentinels_.empty())
-    std::tie(to, epoch) = master();
+    to = master();
   else
     to = opt_.unix_socket.empty() ? Endpoint{opt_.host, opt_.port} : Endpoint{opt_.unix_socket, 0};
   const char* role = sentinels_.empty() ? "Redis" : "the Redis master";
@@ -143,13 +120,13 @@ Client::Connection Client::connect() const {
   // first read: one answer here makes that a connection_error "TLS" of the connect, not a request
   // in doubt on a connection that seemed open.
   if (hello.size() == 0 && c.tls) hello.add(Command().arg("PING").format());
-  if (hello.size() == 0) return {std::move(c), epoch};
-  if (c.write(hello.all()) != hello.all().size()) throw_io(c, "while authenticating", false);
+  if (hello.size() == 0) return c;
+  send(c, hello.all(), "while authenticating");
   std::string first_error;
   ReplyPtr last;
   for (std::size_t i = 0; i < hello.size(); ++i) {
     // No request of the caller's was sent yet: a failure here is an ordinary connection error.
-    last = read_reply(c, "while authenticating", false);
+    last = read_reply(c, "while authenticating");
     if (is_error(last.get()) && first_error.empty()) first_error = std::string(reply_text(last.get()));
   }
   if (!first_error.empty()) throw_reply_error(first_error, "the connection handshake (AUTH/SELECT)", store_hints);
@@ -166,29 +143,37 @@ Client::Connection Client::connect() const {
                              "ROLE", true);
     }
   }
-  return {std::move(c), epoch};
+  return c;
 }
 
 // A TLS-only port (`port 0`) ends a plain-text connection at its first bytes.
 constexpr const char* plain_on_tls_hint = " (if this is a TLS port, connect with rediss:// or RedisOptions::tls)";
 
-void Client::send(Link& c, std::string_view data, std::size_t first) const {
-  const std::size_t sent = c.write(data);
-  if (sent == data.size()) return;
-  const int err = errno;
-  throw_if_tls_refused(c, err);
-  // A request the server did not get whole cannot run; one after a whole one might have.
-  if (sent < first)
-    throw NotSent{fmt::format("{}{}", std::strerror(err),
-                              !c.tls && !c.answered && opt_.unix_socket.empty() ? plain_on_tls_hint : "")};
-  errno = err;
-  throw_io(c, "while sending a pipeline", true);
+void Client::send(Link& c, std::string_view data, const char* during) const {
+  if (c.write(data) != data.size()) throw_io(c, during);
 }
 
-ReplyPtr Client::read_reply(Link& c, const char* during, bool maybe_ran) const {
+ReplyPtr Client::read_reply(Link& c, const char* during) const {
   ReplyPtr r = c.read();
-  if (!r) throw_io(c, during, maybe_ran);
+  if (!r) throw_io(c, during);
   return r;
+}
+
+std::vector<ReplyPtr> Client::session(std::string_view requests, std::size_t replies, const char* during) const {
+  try {
+    Link c = connect();
+    send(c, requests, during);
+    std::vector<ReplyPtr> out;
+    out.reserve(replies);
+    for (std::size_t i = 0; i < replies; ++i) out.push_back(read_reply(c, during));
+    return out;
+  } catch (const connection_error&) {
+    suspect();
+    throw;
+  } catch (const timeout_error&) {
+    suspect();
+    throw;
+  }
 }
 
 // The server ended the session before its first reply: TLS refused it (an alert), or it asked
@@ -209,20 +194,14 @@ void Client::throw_if_tls_refused(const Link& c, int err) const {
   }
 }
 
-void Client::throw_io(const Link& c, const char* during, bool maybe_ran) const {
+void Client::throw_io(const Link& c, const char* during) const {
   const int err = errno;
   throw_if_tls_refused(c, err);
   errno = err;
   IoFailure f = io_failure(c.context.get(), during, where(), opt_.command_timeout);
   if (!c.tls && !c.answered && !f.timed_out && opt_.unix_socket.empty())
     fmt::format_to(std::back_inserter(f.text), " before its first reply{}", plain_on_tls_hint);
-  if (maybe_ran) throw InDoubt{std::move(f)};
   throw_io_error(f, false);
-}
-
-void Client::throw_unsent(const NotSent& e) const {
-  suspect();
-  throw connection_error(fmt::format("idem: cannot send to Redis at {}: {}; retry later", where(), e.why), "", true);
 }
 
 void Client::check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints) {
@@ -258,12 +237,7 @@ void check_wait(const redisReply* wait, Script s, std::string_view what, const R
                          static_cast<int>(acks), o.min_replica_acks);
 }
 
-ReplyPtr Client::call(std::string_view req, const char* during) {
-  return with_connection([&](Link& c) {
-    send(c, req, req.size());
-    return read_reply(c, during);
-  });
-}
+ReplyPtr Client::call(std::string_view req, const char* during) { return std::move(session(req, 1, during).front()); }
 
 namespace {
 // The value of `name` in a CONFIG GET reply (name, value, name, value...), or nullptr.
@@ -290,12 +264,7 @@ ServerConfig Client::server_config() {
   Pipeline p;
   p.add(Command().arg("CONFIG").arg("GET").arg("maxmemory*").format());
   p.add(Command().arg("CONFIG").arg("GET").arg("proto-max-bulk-len").format());
-  std::array<ReplyPtr, 2> r = with_connection([&](Link& c) {
-    send(c, p.all(), p[0].size());
-    std::array<ReplyPtr, 2> out;
-    for (auto& one : out) one = read_reply(c, "to CONFIG GET");
-    return out;
-  });
+  const std::vector<ReplyPtr> r = session(p.all(), p.size(), "to CONFIG GET");
   ServerConfig cfg;
   for (const ReplyPtr& one : r)
     if (is_error(one.get())) {

@@ -1,9 +1,9 @@
 #pragma once
-// Internal to idem_redis: the implementation behind idem::RedisClient — the pool of hiredis
-// connections (detail::Pool), the handshake, the one write path, the reply reader, script loading
-// with the NOSCRIPT reload, the not-sent-retry-once rule, the WAIT after each write transition
-// (min_replica_acks) and, in Sentinel mode, finding the master and following it. The stores only
-// format requests and parse replies.
+// Internal to idem_redis: the implementation behind idem::RedisClient — the connection factory
+// (TLS, the handshake, in Sentinel mode finding the master and following it), the slot map in
+// cluster mode, the checks made at construction, and the engine every store on the client sends
+// through (core(): connection.hpp, engine.cpp). No pool: a connection made here for a check is
+// closed after it.
 
 #include <atomic>
 #include <chrono>
@@ -22,7 +22,6 @@
 #include "reply.hpp"
 #include "reply_machine.hpp"
 #include "idem/core/error.hpp"
-#include "pool.hpp"
 #include "idem/redis/client.hpp"
 #include "idem/redis/options.hpp"
 #include "scripts.hpp"
@@ -97,7 +96,7 @@ const char* reader_error(int err, const char* errstr) noexcept;
 
 // One connection: hiredis's context (the socket, the reply parser) and, over TLS, the session on
 // its socket. Every byte goes through write() and read(), so the rules above them (timeouts, no
-// SIGPIPE, NotSent or in doubt, the pool's idle check) are the same for TCP and TLS.
+// SIGPIPE) are the same for TCP and TLS.
 struct Link {
   ContextPtr context;
   std::unique_ptr<TlsSession> tls;  // null: plain TCP (or a Unix socket)
@@ -168,9 +167,9 @@ public:
 
   // The connection factory for a caller that drives the socket itself (AsyncRedisStore): a new
   // connection with the handshake done (TLS, AUTH, SELECT; in Sentinel mode to the master the
-  // sentinels name now, its ROLE checked), or the error a pooled connection would have raised.
+  // sentinels name now, its ROLE checked), or the error saying why not.
   // Blocking, bounded by connect_timeout per server tried; not in cluster mode.
-  Link open_ready() const { return connect().link; }
+  Link open_ready() const { return connect(); }
   // The caller's connection broke or a server answered as a replica: in Sentinel mode, the next
   // open_ready() asks the sentinels again.
   void doubt_master() const noexcept { suspect(); }
@@ -180,89 +179,33 @@ public:
   void throw_if_tls_refused(const Link& c, int err) const;
 
 private:
-  // A pooled connection and the pool generation it belongs to: a new master (Sentinel) or a
-  // reason to doubt the current one starts a new generation, and older connections are closed.
-  struct Connection {
-    Link link;
-    std::uint64_t epoch = 0;
-  };
-  struct Traits {
-    using connection = Connection;
-    const Client* client;
-    connection connect() const { return client->connect(); }
-    bool alive(connection& c) const noexcept;
-    bool reusable(connection& c) const noexcept {
-      return c.link.context && c.link->err == 0 && c.epoch == client->epoch_.load();
-    }
-  };
+  // An I/O failure on `c` as the typed error (connection_error, timeout_error); TLS refusing the
+  // session is connection_error "TLS", not retryable.
+  [[noreturn]] void throw_io(const Link& c, const char* during) const;
 
-  // The request never reached the server whole, so it did not run: safe to send again elsewhere.
-  struct NotSent {
-    std::string why;
-  };
-  // The request was sent but its reply never came: it may have run.
-  struct InDoubt {
-    IoFailure failure;
-  };
-  // Runs f(connection); a request that never left this process is sent once more on a fresh
-  // connection (it cannot have run). Throws InDoubt when it may have run.
-  template <class F>
-  auto attempt(F& f) {
-    for (int n = 0;; ++n) {
-      try {
-        typename Pool<Traits>::Lease lease(pool_);  // closed on the way out unless healthy
-        auto result = f(lease.get().link);
-        lease.healthy();
-        return result;
-      } catch (const NotSent& e) {
-        if (n == 0) continue;
-        throw_unsent(e);
-      } catch (const InDoubt&) {
-        suspect();
-        throw;
-      } catch (const connection_error&) {
-        suspect();
-        throw;
-      } catch (const timeout_error& e) {
-        if (e.code() != "POOL") suspect();
-        throw;
-      }
-    }
-  }
-
-  // attempt(f); a lost reply is an error (timeout_error, connection_error), never resent.
-  template <class F>
-  auto with_connection(F&& f) {
-    try {
-      return attempt(f);
-    } catch (const InDoubt& e) {
-      throw_io_error(e.failure, true);
-    }
-  }
-
-  [[noreturn]] void throw_unsent(const NotSent& e) const;
-  // An I/O failure on `c`: InDoubt when the request may have run, else the typed error; TLS
-  // refusing the session is connection_error "TLS", not retryable.
-  [[noreturn]] void throw_io(const Link& c, const char* during, bool maybe_ran) const;
-
-  Connection connect() const;
+  // A connection to the server (the master the sentinels name) with the handshake done.
+  Link connect() const;
   // Opens a socket to `to` with the timeouts set, over TLS with `tls` (connection_error naming `to` and `role`).
   Link open(const Endpoint& to, const char* role, const Tls* tls) const;
-  // Sentinel mode: the master to connect to and its generation, asking the sentinels first when
-  // the last one is in doubt.
-  std::pair<Endpoint, std::uint64_t> master() const;
+  // Sentinel mode: the master to connect to, asking the sentinels first when the last one is in doubt.
+  Endpoint master() const;
   // Asks the sentinels in turn for the master's address (the one that answered last first).
   Endpoint discover() const;
   // Something suggests the master changed (a broken connection, READONLY, too few acks): in
-  // Sentinel mode, ask the sentinels again before the next connection and drop pooled ones.
+  // Sentinel mode, ask the sentinels again before the next connection.
   void suspect() const noexcept {
     if (!sentinels_.empty()) rediscover_.store(true);
   }
 
-  // Writes `data` whole; throws NotSent when not even its first `first` bytes (its first request) left.
-  void send(Link& c, std::string_view data, std::size_t first) const;
-  // The next reply; a failure is InDoubt when the request may have run (`maybe_ran`).
-  ReplyPtr read_reply(Link& c, const char* during, bool maybe_ran = true) const;
+  // Writes `data` whole, or throws (throw_io).
+  void send(Link& c, std::string_view data, const char* during) const;
+  // The next reply, or throws (throw_io).
+  ReplyPtr read_reply(Link& c, const char* during) const;
+  // A connection of its own for the construction's checks and a few diagnostics (no pool: the
+  // stores' calls go through the engine): `requests` (`replies` of them) sent in one write, every
+  // reply read, the connection closed. Failures are connection_error / timeout_error (these are
+  // reads and SCRIPT LOADs: nothing is in doubt).
+  std::vector<ReplyPtr> session(std::string_view requests, std::size_t replies, const char* during) const;
   static void check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints);
 
   RedisOptions opt_;
@@ -272,10 +215,8 @@ private:
   mutable Endpoint master_;              // Sentinel mode: the master last discovered
   mutable std::size_t first_sentinel_ = 0;
   mutable std::chrono::steady_clock::time_point last_discovery_{};
-  mutable std::atomic<std::uint64_t> epoch_{0};
   mutable std::atomic<bool> rediscover_;  // Sentinel mode: ask the sentinels before the next connection
   mutable std::atomic<std::uint64_t> discoveries_{0};
-  Pool<Traits> pool_;
   std::unique_ptr<Cluster> cluster_;  // cluster mode: the router over one Client per master
   std::once_flag core_once_;
   std::unique_ptr<asio_redis::RedisCore> core_;  // reset first in ~Client: it uses everything above

@@ -1,5 +1,5 @@
 // Sentinel mode of the Redis client (client.hpp): the master asked of the sentinels, and asked
-// again, with a new pool generation, whenever the client doubts it (suspect()).
+// again whenever the client doubts it (suspect()): the next connection goes to the new one.
 
 #include <charconv>
 #include <chrono>
@@ -17,7 +17,7 @@ namespace idem::detail::redis {
 // master, and many consumers asking the same sentinels on every failure is load, not information.
 constexpr auto min_discovery_interval = std::chrono::milliseconds(100);
 
-std::pair<Endpoint, std::uint64_t> Client::master() const {
+Endpoint Client::master() const {
   std::lock_guard lock(master_mu_);
   const auto now = std::chrono::steady_clock::now();
   if (rediscover_.load() && (master_.host.empty() || now - last_discovery_ >= min_discovery_interval)) {
@@ -30,10 +30,9 @@ std::pair<Endpoint, std::uint64_t> Client::master() const {
       rediscover_.store(true);
       throw;
     }
-    epoch_.fetch_add(1);  // every pooled connection is from before: reconnect them all
     discoveries_.fetch_add(1);
   }
-  return {master_, epoch_.load()};
+  return master_;
 }
 
 Endpoint Client::discover() const {

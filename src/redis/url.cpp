@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "client.hpp"
+#include "pool.hpp"  // check_pool_options: the PoolOptions rules every client shares
 #include "idem/core/error.hpp"
 #include "idem/detail/warning_relay.hpp"
 #include "idem/core/hex.hpp"

@@ -72,9 +72,9 @@ struct RedisOptions {
   millis command_timeout{1'000};
   /// TLS for every connection (the handshake is bounded by connect_timeout); off by default.
   RedisTlsOptions tls{};
-  /// RedisClient's connection pool (idem/core/pool_options.hpp), for StreamsConsumer and RedisAdmin;
-  /// `size` is also how many blocked callers a store serves at once each on an idle connection of
-  /// its own (its lanes; more are multiplexed). size > 0, wait >= 0 (0 = fail at once).
+  /// `size`: how many blocked callers the client's engine serves at once each on an idle
+  /// connection of its own (its lanes, off a cluster; more are multiplexed), > 0. `wait` is not
+  /// used by Redis (no call waits for a connection), >= 0.
   PoolOptions pool{};
   /// A RedisStore refuses (store_error, code `EVICTION`) a server whose `maxmemory` > 0 with a
   /// `maxmemory-policy` other than `noeviction`: it could evict live idempotency records, and their
@@ -90,7 +90,7 @@ struct RedisOptions {
   /// Sentinels as "host:port" (IPv6 as "[addr]:port"); non-empty = Sentinel mode: the master of
   /// `sentinel_master` is asked of them (host, port and unix_socket are then unused), its role is
   /// checked on every new connection, and a broken connection or a READONLY/LOADING/MASTERDOWN
-  /// reply makes the client ask again and reconnect its pool (docs/redis.md, "Sentinel").
+  /// reply makes the client ask again and reconnect (docs/redis.md, "Sentinel").
   std::vector<std::string> sentinels;
   /// The name the sentinels monitor the master under (`sentinel monitor <name> ...`); required with sentinels.
   std::string sentinel_master;
