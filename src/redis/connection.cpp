@@ -489,8 +489,6 @@ std::shared_ptr<Connection> make_connection(net::any_io_executor ex, const Redis
   return std::make_shared<Connection>(std::move(ex), o, std::move(factory), std::move(routing));
 }
 void submit(Connection& c, std::unique_ptr<Op> op) { c.submit(std::move(op)); }
-void call(Connection& c, std::unique_ptr<Op> op) { c.call(std::move(op)); }
-void call(Connection& c, std::vector<std::unique_ptr<Op>> ops) { c.call(std::move(ops)); }
 bool try_call(Connection& c, std::unique_ptr<Op>& op) { return c.try_call(op); }
 bool try_call(Connection& c, std::vector<std::unique_ptr<Op>>& ops) { return c.try_call(ops); }
 bool fits_one_call(const std::vector<std::unique_ptr<Op>>& ops, const RedisOptions& o) noexcept {

@@ -167,14 +167,10 @@ std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, con
                                             std::weak_ptr<Routing> routing = {});
 // Queues `op` (any thread); its finish() runs on the connection's strand.
 void submit(Connection& c, std::unique_ptr<Op> op);
-// A blocked caller's `op`: written and read on the calling thread when the connection is idle
-// (finish() runs there), else submitted. Never from the loop's own threads: it may wait on the socket.
-void call(Connection& c, std::unique_ptr<Op> op);
-// A blocked caller's batch: on the calling thread as one coalesced call when its steps fit one
-// and the connection is idle, else submitted.
-void call(Connection& c, std::vector<std::unique_ptr<Op>> ops);
-// As call(), but false, the request(s) left with the caller, when the connection is not idle (or
-// `ops` do not fit one coalesced call: fits_one_call).
+// A blocked caller's `op` (or batch, as one coalesced call): written and read on the calling
+// thread when the connection is idle (finish() runs there) and true; else false, the request(s)
+// left with the caller (also when `ops` do not fit one coalesced call: fits_one_call). Never from
+// the loop's own threads: it may wait on the socket.
 bool try_call(Connection& c, std::unique_ptr<Op>& op);
 bool try_call(Connection& c, std::vector<std::unique_ptr<Op>>& ops);
 bool fits_one_call(const std::vector<std::unique_ptr<Op>>& ops, const RedisOptions& o) noexcept;
@@ -194,9 +190,9 @@ std::shared_ptr<Engine> make_engine(boost::asio::any_io_executor ex, const Redis
 void submit(Engine& e, std::unique_ptr<Op> op);
 // Sends every op of `ops` (any thread) in one turn of the loop, so they leave coalesced.
 void submit(Engine& e, std::vector<std::unique_ptr<Op>> ops);
-// A blocked caller's `op` (call above), to the server or the master of op->slot.
+// A blocked caller's `op` (try_call above, on an idle lane), to the server or the master of op->slot.
 void call(Engine& e, std::unique_ptr<Op> op);
-// A blocked caller's batch (call above); in cluster mode it is submitted, split per master.
+// A blocked caller's batch (as above); in cluster mode it is submitted, split per master.
 void call(Engine& e, std::vector<std::unique_ptr<Op>> ops);
 void shutdown(Engine& e);
 AsyncRedisStats stats(const Engine& e) noexcept;

@@ -51,12 +51,8 @@ public:
     }
   }
 
-  // A blocked caller's request, on its own thread when the connection is parked, else queued.
-  void call(std::unique_ptr<Op> op);
-  // A blocked caller's batch: as call(), as one coalesced `many` call, when its steps fit one
-  // (fits_one_call); else queued.
-  void call(std::vector<std::unique_ptr<Op>> ops);
-  // As call(), but false (the op left with the caller) when the connection is not parked.
+  // A blocked caller's request (or batch, as one coalesced `many` call when fits_one_call), on its
+  // own thread when the connection is parked; else false, the op(s) left with the caller.
   bool try_call(std::unique_ptr<Op>& op);
   bool try_call(std::vector<std::unique_ptr<Op>>& ops);
   // One op, or steps that one `many` call carries: one slot, at most auto_batch of them, each a

@@ -2,9 +2,8 @@
 // in cluster mode to each node, every request sent to the master of its key's slot. The server
 // has pool.size connections (lanes, opened on first use; one per master on a cluster): the first
 // carries the async callers' requests, and each serves a blocked caller on its own thread while
-// idle. A request answered
-// MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back here and it goes where the
-// answer says (MOVED also fixes the slot map), at most max_redirects times.
+// idle. A request answered MOVED, ASK or TRYAGAIN ran nothing: its connection hands it back here
+// and it goes where the answer says (MOVED also fixes the slot map), at most max_redirects times.
 //
 // The slot map is the store's blocking client's (src/redis/cluster.cpp), read at construction.
 // The engine never blocks on it afterwards: a route looks the slot up as the map is, and when the

@@ -35,14 +35,6 @@ bool wait_fd(int fd, short events, Clock::time_point deadline) noexcept {
 }
 }  // namespace
 
-void Connection::call(std::unique_ptr<Op> op) {
-  if (!try_call(op)) submit(std::move(op));
-}
-
-void Connection::call(std::vector<std::unique_ptr<Op>> ops) {
-  if (!try_call(ops)) submit(std::move(ops));
-}
-
 bool Connection::try_call(std::unique_ptr<Op>& op) {
   Owner parked = Owner::parked;
   if (!owner_.compare_exchange_strong(parked, Owner::caller, std::memory_order_acq_rel)) return false;
