@@ -35,6 +35,14 @@ Command script_load(Script s) {
   return cmd;
 }
 
+// `CONFIG GET maxmemory*` rather than naming two settings: Redis < 7 takes one pattern only.
+constexpr std::size_t config_requests = 2;
+void add_config_get(Pipeline& p) {
+  p.add(Command().arg("CONFIG").arg("GET").arg("maxmemory*").format());
+  p.add(Command().arg("CONFIG").arg("GET").arg("proto-max-bulk-len").format());
+}
+ServerConfig parse_config(const ReplyPtr* r);
+
 }  // namespace
 
 Client::Client(RedisOptions o)
@@ -51,14 +59,20 @@ Client::Client(RedisOptions o)
   // One connection now, so a wrong address or password fails here and not mid-message; every
   // script is loaded on it in one round trip (a NOSCRIPT later reloads the one it names). With
   // min_replica_acks, ROLE says how many replicas the primary has now: fewer is worth a warning.
+  // The server's settings come in the same round trip, for the store built next (server_config).
   Pipeline loads;
   for (std::size_t i = 0; i < script_count; ++i) loads.add(script_load(static_cast<Script>(i)).format());
+  add_config_get(loads);
   if (opt_.min_replica_acks > 0) loads.add(Command().arg("ROLE").format());
   const std::vector<ReplyPtr> replies = session(loads.all(), loads.size(), "to SCRIPT LOAD");
   for (std::size_t i = 0; i < script_count; ++i) check_loaded(replies[i].get(), static_cast<Script>(i), store_hints);
+  {
+    std::lock_guard lock(config_mu_);
+    first_config_ = parse_config(&replies[script_count]);
+  }
   int replicas = -1;
   if (opt_.min_replica_acks > 0) {
-    const redisReply* r = replies[script_count].get();
+    const redisReply* r = replies[script_count + config_requests].get();
     if (r->type == REDIS_REPLY_ARRAY && r->elements >= 3 && r->element[2]->type == REDIS_REPLY_ARRAY)
       replicas = static_cast<int>(r->element[2]->elements);
   }
@@ -258,16 +272,28 @@ bool config_number(const redisReply* r, std::string_view name, std::uint64_t& ou
 }
 }  // namespace
 
-// `CONFIG GET maxmemory*` rather than naming two settings: Redis < 7 takes one pattern only.
 ServerConfig Client::server_config() {
   if (cluster_) return cluster_->server_config();
+  {
+    std::lock_guard lock(config_mu_);
+    if (first_config_) {
+      ServerConfig cfg = std::move(*first_config_);
+      first_config_.reset();
+      return cfg;
+    }
+  }
   Pipeline p;
-  p.add(Command().arg("CONFIG").arg("GET").arg("maxmemory*").format());
-  p.add(Command().arg("CONFIG").arg("GET").arg("proto-max-bulk-len").format());
+  add_config_get(p);
   const std::vector<ReplyPtr> r = session(p.all(), p.size(), "to CONFIG GET");
+  return parse_config(r.data());
+}
+
+namespace {
+// `r`: the replies to add_config_get's two requests.
+ServerConfig parse_config(const ReplyPtr* r) {
   ServerConfig cfg;
-  for (const ReplyPtr& one : r)
-    if (is_error(one.get())) {
+  for (std::size_t i = 0; i < config_requests; ++i)
+    if (const ReplyPtr& one = r[i]; is_error(one.get())) {
       cfg.problem = reply_text(one.get());
       return cfg;
     }
@@ -280,6 +306,7 @@ ServerConfig Client::server_config() {
   cfg.policy = reply_text(policy);
   return cfg;
 }
+}  // namespace
 
 }  // namespace detail::redis
 

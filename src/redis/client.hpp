@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -162,7 +163,8 @@ public:
   // node through a client of the node's); `during` names it in I/O errors; an error reply is
   // returned. Never resent. The stores' requests go through the engine (core()), not here.
   ReplyPtr call(std::string_view req, const char* during);
-  // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip.
+  // maxmemory, maxmemory-policy and proto-max-bulk-len, in one round trip; the first call after
+  // construction takes what the construction's session read (no connection of its own).
   ServerConfig server_config();
 
   // The connection factory for a caller that drives the socket itself (AsyncRedisStore): a new
@@ -217,6 +219,8 @@ private:
   mutable std::chrono::steady_clock::time_point last_discovery_{};
   mutable std::atomic<bool> rediscover_;  // Sentinel mode: ask the sentinels before the next connection
   mutable std::atomic<std::uint64_t> discoveries_{0};
+  std::mutex config_mu_;
+  std::optional<ServerConfig> first_config_;  // read with the scripts' SCRIPT LOAD, for the first server_config()
   std::unique_ptr<Cluster> cluster_;  // cluster mode: the router over one Client per master
   std::once_flag core_once_;
   std::unique_ptr<asio_redis::RedisCore> core_;  // reset first in ~Client: it uses everything above

@@ -151,7 +151,7 @@ struct Plain final : Op {
   explicit Plain(DonePtr<ReplyPtr> d) : done(std::move(d)) {
     script = Script::inspect;  // writes no record: no WAIT is checked after it
     same_holder = false;
-    attempt.reloaded = true;  // no script of idem's to reload: NOSCRIPT (an EVALSHA of the caller's) is its answer
+    attempt.idem_script = false;
   }
   void finish(std::exception_ptr e, ReplyPtr reply) noexcept override { done->complete(e, std::move(reply)); }
   DonePtr<ReplyPtr> done;

@@ -67,7 +67,7 @@ Decision on_reply(Attempt& a, const redisReply* r, const Route& route, std::stri
   if (route.cluster)
     if (Decision d = on_redirect(a, r, route.max_redirects, what, slot); d.next != Next::deliver) return d;
   // SCRIPT FLUSH or a restart under us: the call ran nothing. A second NOSCRIPT is an error.
-  if (is_noscript(r) && !a.reloaded) {
+  if (is_noscript(r) && a.idem_script && !a.reloaded) {
     a.reloaded = true;
     return {.next = Next::reload};
   }

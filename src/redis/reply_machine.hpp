@@ -20,6 +20,9 @@ namespace idem::detail::redis {
 struct Attempt {
   int redirects = 0;      // MOVED / ASK / TRYAGAIN answers followed
   bool reloaded = false;  // sent again after NOSCRIPT once already
+  // Set by the request, not the machine: it runs one of idem's scripts, so NOSCRIPT is reloaded;
+  // false for a caller's plain command, whose NOSCRIPT (its own EVALSHA) is its answer.
+  bool idem_script = true;
   bool resent = false;    // this is the second sending, after its reply was lost
   IoFailure first;        // with resent: why the first sending's reply was lost
 };
@@ -53,7 +56,7 @@ struct Decision {
 };
 
 // A reply to the request `what` (of `slot` on a cluster) arrived; updates `a`. In this order:
-// a redirection (cluster only), NOSCRIPT (once), a demoted master (Sentinel only), an error
+// a redirection (cluster only), NOSCRIPT (once, for idem's scripts), a demoted master (Sentinel only), an error
 // answering a resend (in doubt), else deliver.
 Decision on_reply(Attempt& a, const redisReply* r, const Route& route, std::string_view what, int slot);
 

@@ -123,6 +123,14 @@ TEST_CASE("reply machine: NOSCRIPT reloads once, a second one is the caller's er
   CHECK(on_reply(a, noscript.get(), plain, "acquire", -1).next == Next::deliver);
 }
 
+TEST_CASE("reply machine: a plain command's NOSCRIPT is its answer, nothing reloaded", "[redis][reply_machine]") {
+  Attempt a;
+  a.idem_script = false;
+  const auto noscript = error_reply("NOSCRIPT No matching script. Please use EVAL.");
+  CHECK(on_reply(a, noscript.get(), plain, "EVALSHA", -1).next == Next::deliver);
+  CHECK_FALSE(a.reloaded);
+}
+
 TEST_CASE("reply machine: a demoted master is left under Sentinel only", "[redis][reply_machine]") {
   for (const char* text : {"READONLY You can't write against a read only replica.", "LOADING Redis is loading",
                            "MASTERDOWN Link with MASTER is down"}) {
