@@ -1,6 +1,7 @@
 #pragma once
-// Internal to the backends: the one connection pool every client (Redis, PostgreSQL) uses, so the
-// options mean the same everywhere (PoolOptions, documented in idem/core/pool_options.hpp).
+// Internal to the backends: the PostgreSQL client's connection pool (PoolOptions, documented in
+// idem/core/pool_options.hpp). Redis has none: its engine's lanes take pool.size only. Tested alone
+// under many threads in tests/core/pool_test.cpp (the tsan preset runs it).
 //
 // `Traits` adapts a connection type:
 //   using connection = ...;                        // move-only handle that closes itself (unique_ptr)

@@ -37,7 +37,7 @@ struct StoreCallEvent {
 
 /// A connection pool's state after a checkout or a return, as reported to Observer::on_pool.
 struct PoolEvent {
-  std::string_view pool;          ///< which pool: "redis", "postgres"
+  std::string_view pool;          ///< which pool: "postgres" (Redis has no pool)
   std::size_t in_use;             ///< connections checked out now
   std::size_t open;               ///< connections open now (in use + idle)
   std::size_t size;               ///< PoolOptions::size
