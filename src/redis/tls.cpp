@@ -182,101 +182,130 @@ Tls::Tls(const RedisTlsOptions& o) : server_name_(o.server_name), verify_hostnam
 
 Tls::~Tls() { SSL_CTX_free(ctx_); }
 
-std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const std::string& at, const char* role,
-                                         millis timeout, const PlainTextProbe& probe) const {
-  std::unique_ptr<TlsSession> s(new TlsSession());
-  s->fd_ = fd;
+TlsHandshake::TlsHandshake(const Tls& tls, int fd, const std::string& host, std::string at, const char* role)
+    : s_(new TlsSession()), at_(std::move(at)), role_(role),
+      name_(tls.server_name_.empty() ? host : tls.server_name_) {
+  s_->fd_ = fd;
   ERR_clear_error();
-  s->ssl_ = SSL_new(ctx_);
-  BIO* bio = s->ssl_ != nullptr ? BIO_new(socket_method()) : nullptr;
+  s_->ssl_ = SSL_new(tls.ctx_);
+  BIO* bio = s_->ssl_ != nullptr ? BIO_new(socket_method()) : nullptr;
   if (bio == nullptr)
     throw connection_error(fmt::format("idem: cannot create a TLS session: {}", openssl_reason()), "TLS", true);
-  BIO_set_data(bio, s.get());
-  SSL_set_bio(s->ssl_, bio, bio);
-  SSL_set_app_data(s->ssl_, s.get());
-  const std::string& name = server_name_.empty() ? host : server_name_;
+  BIO_set_data(bio, s_.get());
+  SSL_set_bio(s_->ssl_, bio, bio);
+  SSL_set_app_data(s_->ssl_, s_.get());
   // SNI carries host names only (RFC 6066): an address is checked, not sent.
-  if (!is_ip_address(name)) SSL_set_tlsext_host_name(s->ssl_, name.c_str());
-  if (verify_hostname_) {
-    X509_VERIFY_PARAM* param = SSL_get0_param(s->ssl_);
+  if (!is_ip_address(name_)) SSL_set_tlsext_host_name(s_->ssl_, name_.c_str());
+  if (tls.verify_hostname_) {
+    X509_VERIFY_PARAM* param = SSL_get0_param(s_->ssl_);
     X509_VERIFY_PARAM_set_hostflags(param, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
-    const int ok = is_ip_address(name) ? X509_VERIFY_PARAM_set1_ip_asc(param, name.c_str())
-                                       : X509_VERIFY_PARAM_set1_host(param, name.c_str(), 0);
-    if (ok != 1) refuse(at, role, fmt::format("'{}' cannot be checked as a host name", printable(name, 200)));
+    const int ok = is_ip_address(name_) ? X509_VERIFY_PARAM_set1_ip_asc(param, name_.c_str())
+                                        : X509_VERIFY_PARAM_set1_host(param, name_.c_str(), 0);
+    if (ok != 1) refuse(at_, role_, fmt::format("'{}' cannot be checked as a host name", printable(name_, 200)));
   }
+  // Non-blocking: the caller waits for the socket, so the handshake as a whole can be bounded.
+  s_->nonblocking_ = true;
+}
 
-  // Non-blocking, so the handshake as a whole (several round trips) is bounded by `timeout`.
-  s->nonblocking_ = true;
+TlsHandshake::~TlsHandshake() = default;
+
+bool TlsHandshake::heard() const noexcept { return s_->heard_; }
+
+TlsHandshake::Step TlsHandshake::step() {
+  ERR_clear_error();
+  errno = 0;
+  const int rc = SSL_connect(s_->ssl_);
+  if (rc == 1) return Step::done;
+  const int err = SSL_get_error(s_->ssl_, rc);
+  if (err == SSL_ERROR_WANT_READ) return Step::want_read;
+  if (err == SSL_ERROR_WANT_WRITE) return Step::want_write;
+  const long verify = SSL_get_verify_result(s_->ssl_);
+  if (verify != X509_V_OK)
+    refuse(at_, role_, fmt::format("the server's certificate was refused by the {}", verify_failure(verify, name_)));
+  int sys = errno;
+  if (err == SSL_ERROR_SSL) {
+    const unsigned long e = ERR_peek_error();
+    const int reason = ERR_GET_REASON(e);
+    const std::string text = openssl_reason();
+    // Bytes that are no TLS record: a plain-text Redis's error reply to the ClientHello's bytes.
+    if (reason == SSL_R_WRONG_VERSION_NUMBER || reason == SSL_R_PACKET_LENGTH_TOO_LONG ||
+        reason == SSL_R_UNKNOWN_PROTOCOL || reason == SSL_R_HTTP_REQUEST)
+      throw_plain_text_port(at_, role_, fmt::format("it answered the handshake with bytes that are not TLS: {}", text),
+                            false);
+    if (s_->certificate_asked_)
+      refuse(at_, role_,
+             fmt::format("the server asked for a client certificate and none is configured ({}); with "
+                         "tls-auth-clients yes set tls.cert_file and tls.key_file",
+                         text));
+    // OpenSSL 3 reports a close without close_notify as an error; it is the socket closing.
+    if (reason != SSL_R_UNEXPECTED_EOF_WHILE_READING)
+      refuse(at_, role_, fmt::format("the handshake was refused: {}", text.empty() ? "unknown TLS error" : text));
+    sys = 0;
+  }
+  closed_errno_ = sys;
+  return Step::closed;
+}
+
+void TlsHandshake::throw_closed() const {
+  const std::string why = closed_errno_ != 0 ? std::strerror(closed_errno_) : "the server closed the connection";
+  throw connection_error(fmt::format("idem: TLS handshake with {} at {} failed: {}; retry later", role_, at_, why), "",
+                         true);
+}
+
+void TlsHandshake::throw_timeout(millis timeout, bool probed) const {
+  // With the probe asked, a plain-text port is ruled out: only slowness is left to name.
+  throw timeout_error(fmt::format("idem: TLS handshake with {} at {} did not complete within connect_timeout ({} "
+                                  "ms): the network or the server is slow{}; retry later",
+                                  role_, at_, timeout.count(),
+                                  probed ? ""
+                                         : ", or it is a plain-text port (a Redis without TLS waits for a "
+                                           "newline), which needs redis://"),
+                      "TLS", true);
+}
+
+std::unique_ptr<TlsSession> TlsHandshake::session() {
+  s_->nonblocking_ = false;
+  return std::move(s_);
+}
+
+// The handshake stepped with poll(2), bounded by `timeout`.
+std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const std::string& at, const char* role,
+                                         millis timeout, const PlainTextProbe& probe) const {
+  TlsHandshake h(*this, fd, host, at, role);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   bool probed = !probe;
   // Once, and only while the server has sent nothing: after any byte of TLS it is no plain port.
   auto ask_probe = [&] {
-    if (probed || s->heard_) return;
+    if (probed || h.heard()) return;
     probed = true;
     probe(std::max(millis{0}, std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now())));
   };
   for (;;) {
-    ERR_clear_error();
-    errno = 0;
-    const int rc = SSL_connect(s->ssl_);
-    if (rc == 1) break;
-    const int err = SSL_get_error(s->ssl_, rc);
-    if (err == SSL_ERROR_WANT_READ || err == SSL_ERROR_WANT_WRITE) {
-      const auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
-      // A plain-text Redis that found no newline in the ClientHello says nothing until the
-      // deadline, and a timeout says "retry", which can never help: ask the probe early.
-      const bool early = !probed && !s->heard_ && err == SSL_ERROR_WANT_READ && probe_delay(timeout) < left;
-      const millis wait = early ? probe_delay(timeout) : left;
-      pollfd p{fd, static_cast<short>(err == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT), 0};
-      int n = 0;
-      if (wait.count() > 0) {
-        do n = ::poll(&p, 1, static_cast<int>(wait.count()));
-        while (n < 0 && errno == EINTR);
-      }
-      if (n > 0) continue;
+    const TlsHandshake::Step step = h.step();
+    if (step == TlsHandshake::Step::done) return h.session();
+    if (step == TlsHandshake::Step::closed) {
+      // A closed socket is also what a plain-text Redis may do with the handshake's bytes: the
+      // probe tells; otherwise it may pass, so retry.
       ask_probe();
-      if (early) continue;
-      // With the probe asked, a plain-text port is ruled out: only slowness is left to name.
-      throw timeout_error(fmt::format("idem: TLS handshake with {} at {} did not complete within connect_timeout ({} "
-                                      "ms): the network or the server is slow{}; retry later",
-                                      role, at, timeout.count(),
-                                      probe ? ""
-                                            : ", or it is a plain-text port (a Redis without TLS waits for a "
-                                              "newline), which needs redis://"),
-                          "TLS", true);
+      h.throw_closed();
     }
-    const long verify = SSL_get_verify_result(s->ssl_);
-    if (verify != X509_V_OK)
-      refuse(at, role, fmt::format("the server's certificate was refused by the {}", verify_failure(verify, name)));
-    int sys = errno;
-    if (err == SSL_ERROR_SSL) {
-      const unsigned long e = ERR_peek_error();
-      const int reason = ERR_GET_REASON(e);
-      const std::string text = openssl_reason();
-      // Bytes that are no TLS record: a plain-text Redis's error reply to the ClientHello's bytes.
-      if (reason == SSL_R_WRONG_VERSION_NUMBER || reason == SSL_R_PACKET_LENGTH_TOO_LONG ||
-          reason == SSL_R_UNKNOWN_PROTOCOL || reason == SSL_R_HTTP_REQUEST)
-        throw_plain_text_port(at, role, fmt::format("it answered the handshake with bytes that are not TLS: {}", text),
-                              false);
-      if (s->certificate_asked_)
-        refuse(at, role,
-               fmt::format("the server asked for a client certificate and none is configured ({}); with "
-                           "tls-auth-clients yes set tls.cert_file and tls.key_file",
-                           text));
-      // OpenSSL 3 reports a close without close_notify as an error; it is the socket closing.
-      if (reason != SSL_R_UNEXPECTED_EOF_WHILE_READING)
-        refuse(at, role, fmt::format("the handshake was refused: {}", text.empty() ? "unknown TLS error" : text));
-      sys = 0;
+    const auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
+    // A plain-text Redis that found no newline in the ClientHello says nothing until the
+    // deadline, and a timeout says "retry", which can never help: ask the probe early.
+    const bool want_read = step == TlsHandshake::Step::want_read;
+    const bool early = !probed && !h.heard() && want_read && probe_delay(timeout) < left;
+    const millis wait = early ? probe_delay(timeout) : left;
+    pollfd p{fd, static_cast<short>(want_read ? POLLIN : POLLOUT), 0};
+    int n = 0;
+    if (wait.count() > 0) {
+      do n = ::poll(&p, 1, static_cast<int>(wait.count()));
+      while (n < 0 && errno == EINTR);
     }
-    // The socket failed or closed under the handshake. A closed one is also what a plain-text
-    // Redis may do with the handshake's bytes: the probe tells; otherwise it may pass, so retry.
+    if (n > 0) continue;
     ask_probe();
-    const std::string why = sys != 0 ? std::strerror(sys) : "the server closed the connection";
-    throw connection_error(fmt::format("idem: TLS handshake with {} at {} failed: {}; retry later", role, at, why), "",
-                           true);
+    if (early) continue;
+    h.throw_timeout(timeout, static_cast<bool>(probe));
   }
-  s->nonblocking_ = false;
-  return s;
 }
 
 TlsSession::~TlsSession() {

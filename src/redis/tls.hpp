@@ -25,6 +25,7 @@ struct ssl_ctx_st;
 namespace idem::detail::redis {
 
 class TlsSession;
+class TlsHandshake;
 
 class Tls {
 public:
@@ -49,6 +50,7 @@ public:
   static millis probe_delay(millis timeout) noexcept { return std::min(timeout / 4, millis{250}); }
 
 private:
+  friend class TlsHandshake;
   ssl_ctx_st* ctx_ = nullptr;
   std::string server_name_;
   bool verify_hostname_ = true;
@@ -90,13 +92,52 @@ public:
   bool heard_ = false;  // the server sent a byte: it is not silent
 
 private:
-  friend class Tls;
+  friend class TlsHandshake;
   TlsSession() = default;
   void failed(int ret) noexcept;
 
   ssl_st* ssl_ = nullptr;
   std::string failure_;
   bool refused_ = false;
+};
+
+// One client handshake on a connected socket, stepped by its caller without I/O of its own: the
+// caller waits for the socket to be ready for what step() asks (Tls::connect with poll; a
+// transport on an event loop the same way) and asks the plain-text probe when it fits.
+class TlsHandshake {
+public:
+  enum class Step {
+    done,        // session() is ready
+    want_read,   // call step() again once the socket is readable
+    want_write,  // ... writable
+    closed,      // the socket failed or closed under the handshake: probe if wanted, then throw_closed()
+  };
+  // The session on `fd` for `host` (SNI and the name checked, unless tls.server_name is set);
+  // `at` and `role` name the server in messages. A name that cannot be checked throws.
+  TlsHandshake(const Tls& tls, int fd, const std::string& host, std::string at, const char* role);
+  ~TlsHandshake();
+  TlsHandshake(const TlsHandshake&) = delete;
+  TlsHandshake& operator=(const TlsHandshake&) = delete;
+
+  // One SSL_connect. A refusal (the certificate, the protocol, bytes that are not TLS, a client
+  // certificate asked for and none configured) throws connection_error "TLS", not retryable.
+  Step step();
+  // The server sent a byte: it speaks TLS, so no plain-text probe is worth asking.
+  [[nodiscard]] bool heard() const noexcept;
+  // After Step::closed: a retryable connection_error naming the socket's error.
+  [[noreturn]] void throw_closed() const;
+  // The handshake outlived `timeout` (timeout_error "TLS", retryable); without `probed` the message
+  // names a plain-text port as a possible cause.
+  [[noreturn]] void throw_timeout(millis timeout, bool probed) const;
+  // After Step::done: the session, switched to blocking I/O.
+  std::unique_ptr<TlsSession> session();
+
+private:
+  std::unique_ptr<TlsSession> s_;
+  std::string at_;
+  const char* role_;
+  std::string name_;
+  int closed_errno_ = 0;
 };
 
 }  // namespace idem::detail::redis
