@@ -125,39 +125,40 @@ Link Client::connect() const {
     to = opt_.unix_socket.empty() ? Endpoint{opt_.host, opt_.port} : Endpoint{opt_.unix_socket, 0};
   const char* role = sentinels_.empty() ? "Redis" : "the Redis master";
   Link c = open(to, role, tls_.get());
-  Pipeline hello;
-  add_auth(hello, opt_.user, opt_.password);
-  if (opt_.db != 0) hello.add(Command().arg("SELECT").arg(opt_.db).format());
-  const bool check_role = !sentinels_.empty();
-  if (check_role) hello.add(Command().arg("ROLE").format());
-  // TLS 1.3 tells a client the server refused its certificate (or its lack of one) only at its
-  // first read: one answer here makes that a connection_error "TLS" of the connect, not a request
-  // in doubt on a connection that seemed open.
-  if (hello.size() == 0 && c.tls) hello.add(Command().arg("PING").format());
-  if (hello.size() == 0) return c;
-  send(c, hello.all(), "while authenticating");
-  std::string first_error;
-  ReplyPtr last;
-  for (std::size_t i = 0; i < hello.size(); ++i) {
-    // No request of the caller's was sent yet: a failure here is an ordinary connection error.
-    last = read_reply(c, "while authenticating");
-    if (is_error(last.get()) && first_error.empty()) first_error = std::string(reply_text(last.get()));
-  }
-  if (!first_error.empty()) throw_reply_error(first_error, "the connection handshake (AUTH/SELECT)", store_hints);
-  if (check_role) {
-    // The sentinels' answer can be a moment old: a demoted master answers ROLE slave.
-    const redisReply* r = last.get();
-    const bool is_master = r->type == REDIS_REPLY_ARRAY && r->elements > 0 &&
-                           r->element[0]->type == REDIS_REPLY_STRING && reply_text(r->element[0]) == "master";
-    if (!is_master) {
-      suspect();
-      throw connection_error(fmt::format("idem: the sentinels name {} as the master '{}', but it does not answer ROLE "
-                                         "master (a failover under way?); retry later",
-                                         describe(to), opt_.sentinel_master),
-                             "ROLE", true);
-    }
+  const Hello hello = hello_for(opt_, !sentinels_.empty(), c.tls != nullptr);
+  if (hello.requests.size() == 0) return c;
+  send(c, hello.requests.all(), "while authenticating");
+  std::vector<ReplyPtr> answers;
+  // No request of the caller's was sent yet: a failure here is an ordinary connection error.
+  for (std::size_t i = 0; i < hello.requests.size(); ++i) answers.push_back(read_reply(c, "while authenticating"));
+  // The sentinels' answer can be a moment old: a demoted master answers ROLE slave.
+  if (!hello_accepted(hello, answers)) {
+    suspect();
+    throw connection_error(fmt::format("idem: the sentinels name {} as the master '{}', but it does not answer ROLE "
+                                       "master (a failover under way?); retry later",
+                                       describe(to), opt_.sentinel_master),
+                           "ROLE", true);
   }
   return c;
+}
+
+Hello hello_for(const RedisOptions& o, bool sentinel, bool tls) {
+  Hello h;
+  add_auth(h.requests, o.user, o.password);
+  if (o.db != 0) h.requests.add(Command().arg("SELECT").arg(o.db).format());
+  h.check_role = sentinel;
+  if (sentinel) h.requests.add(Command().arg("ROLE").format());
+  if (h.requests.size() == 0 && tls) h.requests.add(Command().arg("PING").format());
+  return h;
+}
+
+bool hello_accepted(const Hello& h, const std::vector<ReplyPtr>& answers) {
+  for (const ReplyPtr& a : answers)
+    if (is_error(a.get())) throw_reply_error(reply_text(a.get()), "the connection handshake (AUTH/SELECT)", store_hints);
+  if (!h.check_role) return true;
+  const redisReply* r = answers.back().get();
+  return r->type == REDIS_REPLY_ARRAY && r->elements > 0 && r->element[0]->type == REDIS_REPLY_STRING &&
+         reply_text(r->element[0]) == "master";
 }
 
 // A TLS-only port (`port 0`) ends a plain-text connection at its first bytes.

@@ -118,6 +118,26 @@ void check_wait(const redisReply* wait, Script s, std::string_view what, const R
                 const std::string& where);
 // AUTH [user] password onto `p`, when there is a password.
 void add_auth(Pipeline& p, const std::string& user, const std::string& password);
+
+// What a new connection sends before any caller's request, and what its answers must say, without
+// I/O: the connection factory sends it today, and a transport on an event loop can send the same.
+struct Hello {
+  Pipeline requests;        // AUTH, SELECT, ROLE under Sentinel, or a lone PING over TLS; may be empty
+  bool check_role = false;  // the last answer is ROLE's, and must say master
+};
+// For a connection to the data node: `sentinel`, the master the sentinels named; `tls`, over TLS
+// (TLS 1.3 tells a client the server refused its certificate only at its first read: one answer
+// makes that a failure of the connect, not a request in doubt on a connection that seemed open).
+Hello hello_for(const RedisOptions& o, bool sentinel, bool tls);
+// The answers to h.requests, in order: an error reply throws what it maps to (AUTH or SELECT
+// refused); false when ROLE does not say master; true when the connection may carry requests.
+bool hello_accepted(const Hello& h, const std::vector<ReplyPtr>& answers);
+
+// Sentinel mode: the requests asking a sentinel for o.sentinel_master (AUTH first when the
+// sentinels have a password; the last answer is get-master-addr-by-name's), and that answer read:
+// the master, or nothing when the sentinel does not know the name.
+Pipeline sentinel_query(const RedisOptions& o);
+std::optional<Endpoint> parse_master_addr(const redisReply* r);
 // "host:port", "[v6]:port", or the socket path (port 0).
 std::string describe(const Endpoint& e);
 // A socket to `to` with connect_timeout and command_timeout set, over TLS when `tls` is not null

@@ -4,7 +4,9 @@
 #include <charconv>
 #include <chrono>
 #include <iterator>
+#include <optional>
 #include <string>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -39,13 +41,27 @@ Endpoint Client::discover() const {
   return discover_master(opt_, sentinels_, opt_.tls.sentinels ? tls_.get() : nullptr, first_sentinel_);
 }
 
-Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sentinels, const Tls* tls,
-                         std::size_t& first) {
-  Command ask;
-  ask.arg("SENTINEL").arg("get-master-addr-by-name").arg(o.sentinel_master);
+Pipeline sentinel_query(const RedisOptions& o) {
   Pipeline p;
   add_auth(p, o.sentinel_user, o.sentinel_password);
-  p.add(ask.format());
+  p.add(Command().arg("SENTINEL").arg("get-master-addr-by-name").arg(o.sentinel_master).format());
+  return p;
+}
+
+std::optional<Endpoint> parse_master_addr(const redisReply* r) {
+  if (r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+      r->element[1]->type != REDIS_REPLY_STRING)
+    return std::nullopt;
+  int port = 0;
+  const std::string_view ps = reply_text(r->element[1]);
+  const auto [end, ec] = std::from_chars(ps.data(), ps.data() + ps.size(), port);
+  if (ec != std::errc{} || end != ps.data() + ps.size() || port <= 0 || port >= 65536) return std::nullopt;
+  return Endpoint{std::string(reply_text(r->element[0])), port};
+}
+
+Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sentinels, const Tls* tls,
+                         std::size_t& first) {
+  const Pipeline p = sentinel_query(o);
   std::string why;
   bool any_answer = false;
   int tls_refused = 0;  // sentinels whose TLS checks failed
@@ -80,16 +96,10 @@ Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sen
         fmt::format_to(std::back_inserter(why), "; {} refused: {}", at, refused);
         continue;
       }
-      const redisReply* r = last.get();
       any_answer = true;
-      if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && r->element[0]->type == REDIS_REPLY_STRING &&
-          r->element[1]->type == REDIS_REPLY_STRING) {
-        int port = 0;
-        const std::string_view ps = reply_text(r->element[1]);
-        if (std::from_chars(ps.data(), ps.data() + ps.size(), port).ec == std::errc{} && port > 0 && port < 65536) {
-          first = i;
-          return {std::string(reply_text(r->element[0])), port};
-        }
+      if (std::optional<Endpoint> master = parse_master_addr(last.get())) {
+        first = i;
+        return std::move(*master);
       }
       fmt::format_to(std::back_inserter(why), "; {} does not know a master named '{}'", at, o.sentinel_master);
     } catch (const error& e) {

@@ -1,6 +1,7 @@
 // The reply machine (src/redis/reply_machine.hpp) step by step, without a socket: each reply or
 // I/O event a transport can see, what the machine answers, and what it remembers of the request.
 // Replies are read by hiredis's reader from the bytes a server sends, as both transports get them.
+// Also, the same way, a new connection's handshake and a sentinel's answer (client.hpp).
 #include <catch2/catch.hpp>
 
 #include <hiredis/hiredis.h>
@@ -9,7 +10,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
+#include "client.hpp"
 #include "idem/core/error.hpp"
 #include "reply_machine.hpp"
 #include "reply_of.hpp"
@@ -197,4 +200,73 @@ TEST_CASE("reply machine: a request that cannot be sent fails with its error, a 
   REQUIRE(on_lost(a, {"broke", false}, Resend::same_holder, "acquire").next == Next::resend);
   CHECK(failure_as<idem::outcome_unknown_error>(on_unsent(a, refused, "cannot connect", "acquire"), what).has_value());
   CHECK_THAT(what, Catch::Contains("broke") && Catch::Contains("cannot connect"));
+}
+
+// A new connection's handshake (client.hpp's Hello) and a sentinel's answer, judged the same way:
+// from the bytes, without a socket.
+namespace {
+ReplyPtr owned(const std::string& bytes) { return ReplyPtr(reply_of(bytes).release()); }
+}  // namespace
+
+TEST_CASE("connection hello: what a new connection sends first, per the options", "[redis][hello]") {
+  idem::RedisOptions o;
+  CHECK(hello_for(o, false, false).requests.size() == 0);  // nothing to send: no round trip
+  const Hello tls = hello_for(o, false, true);
+  REQUIRE(tls.requests.size() == 1);
+  CHECK(tls.requests[0] == "*1\r\n$4\r\nPING\r\n");  // TLS: one answer proves the server took the session
+  o.user = "app";
+  o.password = "secret";
+  o.db = 2;
+  const Hello all = hello_for(o, true, true);
+  REQUIRE(all.requests.size() == 3);
+  CHECK(all.check_role);
+  CHECK(all.requests[0] == "*3\r\n$4\r\nAUTH\r\n$3\r\napp\r\n$6\r\nsecret\r\n");
+  CHECK(all.requests[1] == "*2\r\n$6\r\nSELECT\r\n$1\r\n2\r\n");
+  CHECK(all.requests[2] == "*1\r\n$4\r\nROLE\r\n");
+}
+
+TEST_CASE("connection hello: a refused AUTH throws, ROLE must say master under Sentinel", "[redis][hello]") {
+  idem::RedisOptions o;
+  o.password = "wrong";
+  const Hello auth = hello_for(o, false, false);
+  std::vector<ReplyPtr> refused;
+  refused.push_back(owned("-WRONGPASS invalid username-password pair or user is disabled.\r\n"));
+  try {
+    (void)hello_accepted(auth, refused);
+    FAIL("a refused AUTH was accepted");
+  } catch (const idem::store_error& e) {
+    CHECK(e.code() == "WRONGPASS");
+    CHECK_FALSE(e.retryable());
+    CHECK_THAT(e.what(), Catch::Contains("authentication failed"));
+  }
+  std::vector<ReplyPtr> ok;
+  ok.push_back(owned("+OK\r\n"));
+  CHECK(hello_accepted(auth, ok));
+
+  const Hello sentinel = hello_for(o, true, false);
+  std::vector<ReplyPtr> master, replica;
+  master.push_back(owned("+OK\r\n"));
+  master.push_back(owned("*3\r\n$6\r\nmaster\r\n:10\r\n*0\r\n"));
+  replica.push_back(owned("+OK\r\n"));
+  replica.push_back(owned("*5\r\n$5\r\nslave\r\n$9\r\n127.0.0.1\r\n:6379\r\n$9\r\nconnected\r\n:10\r\n"));
+  CHECK(hello_accepted(sentinel, master));
+  CHECK_FALSE(hello_accepted(sentinel, replica));
+}
+
+TEST_CASE("sentinel answer: the master's address, or nothing for a name it does not know", "[redis][hello]") {
+  const auto known = reply_of("*2\r\n$9\r\n127.0.0.1\r\n$4\r\n6380\r\n");
+  const std::optional<Endpoint> m = parse_master_addr(known.get());
+  REQUIRE(m);
+  CHECK(m->host == "127.0.0.1");
+  CHECK(m->port == 6380);
+  CHECK_FALSE(parse_master_addr(reply_of("*-1\r\n").get()));  // unknown master name: a null array
+  CHECK_FALSE(parse_master_addr(reply_of("*2\r\n$9\r\n127.0.0.1\r\n$5\r\n70000\r\n").get()));
+  CHECK_FALSE(parse_master_addr(reply_of("*2\r\n$9\r\n127.0.0.1\r\n$4\r\n63x0\r\n").get()));
+  idem::RedisOptions o;
+  o.sentinel_master = "mymaster";
+  o.sentinel_password = "s";
+  const Pipeline q = sentinel_query(o);
+  REQUIRE(q.size() == 2);
+  CHECK(q[0] == "*2\r\n$4\r\nAUTH\r\n$1\r\ns\r\n");
+  CHECK(q[1] == "*3\r\n$8\r\nSENTINEL\r\n$23\r\nget-master-addr-by-name\r\n$8\r\nmymaster\r\n");
 }
