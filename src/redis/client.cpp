@@ -1,6 +1,5 @@
-// idem::RedisClient (client.hpp): the connection factory (the handshake, Sentinel discovery), the
-// construction's checks on connections of their own, the engine's home. The link a connection
-// writes and reads on is link.cpp.
+// idem::RedisClient (client.hpp): the construction's checks on connections of their own, the
+// hello a new connection sends, the engine's home. Opening a connection is opening.cpp.
 
 #include "client.hpp"
 
@@ -112,34 +111,8 @@ Command Client::evalsha(Script s, std::size_t numkeys) {
   return cmd;
 }
 
-Link Client::open(const Endpoint& to, const char* role, const Tls* tls) const {
-  return open_connection(to, opt_, role, tls);
-}
-
-// Sends the handshake (AUTH, SELECT, and ROLE in Sentinel mode) in one write and checks each answer.
-Link Client::connect() const {
-  Endpoint to;
-  if (!sentinels_.empty())
-    to = master();
-  else
-    to = opt_.unix_socket.empty() ? Endpoint{opt_.host, opt_.port} : Endpoint{opt_.unix_socket, 0};
-  const char* role = sentinels_.empty() ? "Redis" : "the Redis master";
-  Link c = open(to, role, tls_.get());
-  const Hello hello = hello_for(opt_, !sentinels_.empty(), c.tls != nullptr);
-  if (hello.requests.size() == 0) return c;
-  send(c, hello.requests.all(), "while authenticating");
-  std::vector<ReplyPtr> answers;
-  // No request of the caller's was sent yet: a failure here is an ordinary connection error.
-  for (std::size_t i = 0; i < hello.requests.size(); ++i) answers.push_back(read_reply(c, "while authenticating"));
-  // The sentinels' answer can be a moment old: a demoted master answers ROLE slave.
-  if (!hello_accepted(hello, answers)) {
-    suspect();
-    throw connection_error(fmt::format("idem: the sentinels name {} as the master '{}', but it does not answer ROLE "
-                                       "master (a failover under way?); retry later",
-                                       describe(to), opt_.sentinel_master),
-                           "ROLE", true);
-  }
-  return c;
+Endpoint Client::server() const {
+  return opt_.unix_socket.empty() ? Endpoint{opt_.host, opt_.port} : Endpoint{opt_.unix_socket, 0};
 }
 
 Hello hello_for(const RedisOptions& o, bool sentinel, bool tls) {
@@ -159,64 +132,6 @@ bool hello_accepted(const Hello& h, const std::vector<ReplyPtr>& answers) {
   const redisReply* r = answers.back().get();
   return r->type == REDIS_REPLY_ARRAY && r->elements > 0 && r->element[0]->type == REDIS_REPLY_STRING &&
          reply_text(r->element[0]) == "master";
-}
-
-// A TLS-only port (`port 0`) ends a plain-text connection at its first bytes.
-constexpr const char* plain_on_tls_hint = " (if this is a TLS port, connect with rediss:// or RedisOptions::tls)";
-
-void Client::send(Link& c, std::string_view data, const char* during) const {
-  if (c.write(data) != data.size()) throw_io(c, during);
-}
-
-ReplyPtr Client::read_reply(Link& c, const char* during) const {
-  ReplyPtr r = c.read();
-  if (!r) throw_io(c, during);
-  return r;
-}
-
-std::vector<ReplyPtr> Client::session(std::string_view requests, std::size_t replies, const char* during) const {
-  try {
-    Link c = connect();
-    send(c, requests, during);
-    std::vector<ReplyPtr> out;
-    out.reserve(replies);
-    for (std::size_t i = 0; i < replies; ++i) out.push_back(read_reply(c, during));
-    return out;
-  } catch (const connection_error&) {
-    suspect();
-    throw;
-  } catch (const timeout_error&) {
-    suspect();
-    throw;
-  }
-}
-
-// The server ended the session before its first reply: TLS refused it (an alert), or it asked
-// for a client certificate this client does not have. Nothing ran, and retrying cannot help.
-void Client::throw_if_tls_refused(const Link& c, int err) const {
-  if (c.tls && !c.answered && err != EAGAIN && (c.tls->refused() || c.tls->certificate_missing())) {
-    const std::string what =
-        c.tls->refused() ? c.tls->failure() : (c->errstr[0] != 0 ? std::string(c->errstr) : std::strerror(err));
-    if (c.tls->certificate_missing())
-      throw connection_error(fmt::format("idem: TLS with Redis at {} failed: the server asked for a client "
-                                         "certificate, none is configured, and it ended the session ({}); with "
-                                         "tls-auth-clients yes set tls.cert_file and tls.key_file",
-                                         where(), what),
-                             "TLS", false);
-    throw connection_error(
-        fmt::format("idem: TLS with Redis at {} failed: the server refused the session ({})", where(), what), "TLS",
-        false);
-  }
-}
-
-void Client::throw_io(const Link& c, const char* during) const {
-  const int err = errno;
-  throw_if_tls_refused(c, err);
-  errno = err;
-  IoFailure f = io_failure(c.context.get(), during, where(), opt_.command_timeout);
-  if (!c.tls && !c.answered && !f.timed_out && opt_.unix_socket.empty())
-    fmt::format_to(std::back_inserter(f.text), " before its first reply{}", plain_on_tls_hint);
-  throw_io_error(f, false);
 }
 
 void Client::check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints) {

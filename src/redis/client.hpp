@@ -1,9 +1,9 @@
 #pragma once
-// Internal to idem_redis: the implementation behind idem::RedisClient — the connection factory
-// (TLS, the handshake, in Sentinel mode finding the master and following it), the slot map in
-// cluster mode, the checks made at construction, and the engine every store on the client sends
-// through (core(): connection.hpp, engine.cpp). No pool: a connection made here for a check is
-// closed after it.
+// Internal to idem_redis: the implementation behind idem::RedisClient — what its connections are
+// opened with (TLS, the hello; in Sentinel mode the master last found, and when to ask again;
+// opening.hpp opens them), the slot map in cluster mode, the checks made at construction, and the
+// engine every store on the client sends through (core(): connection.hpp, engine.cpp). No pool: a
+// connection made here for a check is closed after it.
 
 #include <atomic>
 #include <chrono>
@@ -35,10 +35,10 @@ struct RedisCore;
 
 namespace idem::detail::redis {
 
-struct ContextFree {
-  void operator()(redisContext* c) const noexcept { redisFree(c); }
+struct ReaderFree {
+  void operator()(redisReader* r) const noexcept { redisReaderFree(r); }
 };
-using ContextPtr = std::unique_ptr<redisContext, ContextFree>;
+using ReaderPtr = std::unique_ptr<redisReader, ReaderFree>;
 
 
 // What differs between the stores in the advice an error reply carries.
@@ -56,7 +56,6 @@ extern const ReplyErrorHints sequence_hints;
 [[noreturn]] void throw_reply_error(std::string_view text, std::string_view what, const ReplyErrorHints& hints);
 // A reply of a shape idem's scripts never send.
 [[noreturn]] void throw_bad_reply(std::string_view what);
-IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout);
 std::string ms(millis d);
 
 
@@ -95,22 +94,6 @@ void limit_aggregates(redisReader* r) noexcept;
 // A reader error's text for users: hiredis's own, except that its "Out of memory" also names the limit.
 const char* reader_error(int err, const char* errstr) noexcept;
 
-// One connection: hiredis's context (the socket, the reply parser) and, over TLS, the session on
-// its socket. Every byte goes through write() and read(), so the rules above them (timeouts, no
-// SIGPIPE) are the same for TCP and TLS.
-struct Link {
-  ContextPtr context;
-  std::unique_ptr<TlsSession> tls;  // null: plain TCP (or a Unix socket)
-  bool answered = false;            // a reply came on it: the server took the session
-
-  redisContext* operator->() const noexcept { return context.get(); }
-  // The bytes written before all of `data` or an error (errno says which).
-  std::size_t write(std::string_view data) noexcept;
-  // The next reply, or null with context->err/errstr (and errno) saying why, as redisGetReply.
-  ReplyPtr read() noexcept;
-  // Nothing waiting to be read on an idle connection: the server has not closed it.
-  bool idle() noexcept;
-};
 // min_replica_acks: after `what` (a run of script `s`) changed a record, the reply to the WAIT sent
 // with it must count o.min_replica_acks replicas: store_error when WAIT was refused, durability_error
 // when too few replicas acknowledged (`where` names the primary).
@@ -120,7 +103,7 @@ void check_wait(const redisReply* wait, Script s, std::string_view what, const R
 void add_auth(Pipeline& p, const std::string& user, const std::string& password);
 
 // What a new connection sends before any caller's request, and what its answers must say, without
-// I/O: the connection factory sends it today, and a transport on an event loop can send the same.
+// I/O (opening.cpp sends it and reads the answers).
 struct Hello {
   Pipeline requests;        // AUTH, SELECT, ROLE under Sentinel, or a lone PING over TLS; may be empty
   bool check_role = false;  // the last answer is ROLE's, and must say master
@@ -140,21 +123,13 @@ Pipeline sentinel_query(const RedisOptions& o);
 std::optional<Endpoint> parse_master_addr(const redisReply* r);
 // "host:port", "[v6]:port", or the socket path (port 0).
 std::string describe(const Endpoint& e);
-// A socket to `to` with connect_timeout and command_timeout set, over TLS when `tls` is not null
-// (connection_error naming `role`).
-Link open_connection(const Endpoint& to, const RedisOptions& o, const char* role, const Tls* tls);
-// Sentinel mode: asks `sentinels` in turn, from `first` (left at the one that answered), for the
-// address of o.sentinel_master, over TLS when `tls` is not null. connection_error when none names
-// it (code TLS, not retryable, when every sentinel failed a TLS check).
-Endpoint discover_master(const RedisOptions& o, const std::vector<Endpoint>& sentinels, const Tls* tls,
-                         std::size_t& first);
 
 class Cluster;
 
 class Client {
 public:
   explicit Client(RedisOptions o);
-  // A client used only as the connection factory (open_ready) and its engine, for a caller that
+  // A client used only for its connections (opening.hpp) and its engine, for a caller that
   // sends commands of its own (the Redis Streams publisher, RedisAdmin): nothing is loaded, nor
   // connected until the first command — in cluster mode but the slot map, read here.
   struct FactoryOnly {};
@@ -187,45 +162,35 @@ public:
   // construction takes what the construction's session read (no connection of its own).
   ServerConfig server_config();
 
-  // The connection factory for a caller that drives the socket itself (AsyncRedisStore): a new
-  // connection with the handshake done (TLS, AUTH, SELECT; in Sentinel mode to the master the
-  // sentinels name now, its ROLE checked), or the error saying why not.
-  // Blocking, bounded by connect_timeout per server tried; not in cluster mode.
-  Link open_ready() const { return connect(); }
-  // The caller's connection broke or a server answered as a replica: in Sentinel mode, the next
-  // open_ready() asks the sentinels again.
+  // What opening a connection needs (opening.hpp's open_ready, on the engine's strand or a
+  // private loop): the TLS context (null without TLS), the sentinels (empty outside Sentinel
+  // mode), the server outside Sentinel mode.
+  [[nodiscard]] const Tls* tls() const noexcept { return tls_.get(); }
+  [[nodiscard]] const std::vector<Endpoint>& sentinels() const noexcept { return sentinels_; }
+  [[nodiscard]] Endpoint server() const;
+  // Sentinel mode: the master to connect to, or nothing when the sentinels are to be asked first
+  // (none known yet, or it is in doubt and they were not asked within the last 100 ms); the
+  // opening that asks then reports learned_master or discovery_failed. Thread-safe.
+  [[nodiscard]] std::optional<Endpoint> known_master() const;
+  void learned_master(const Endpoint& m, std::size_t sentinel) const;
+  void discovery_failed() const noexcept { rediscover_.store(true); }
+  // The sentinel that answered last: asked first next time.
+  [[nodiscard]] std::size_t first_sentinel() const;
+  // A connection broke or a server answered as a replica: in Sentinel mode, the next opening asks
+  // the sentinels again.
   void doubt_master() const noexcept { suspect(); }
-  // The server ended `c`'s session before its first reply because TLS refused it (an alert) or it
-  // wanted a client certificate none is configured for: connection_error "TLS", not retryable.
-  // Returns when the failure (errno `err`) was anything else.
-  void throw_if_tls_refused(const Link& c, int err) const;
 
 private:
-  // An I/O failure on `c` as the typed error (connection_error, timeout_error); TLS refusing the
-  // session is connection_error "TLS", not retryable.
-  [[noreturn]] void throw_io(const Link& c, const char* during) const;
-
-  // A connection to the server (the master the sentinels name) with the handshake done.
-  Link connect() const;
-  // Opens a socket to `to` with the timeouts set, over TLS with `tls` (connection_error naming `to` and `role`).
-  Link open(const Endpoint& to, const char* role, const Tls* tls) const;
-  // Sentinel mode: the master to connect to, asking the sentinels first when the last one is in doubt.
-  Endpoint master() const;
-  // Asks the sentinels in turn for the master's address (the one that answered last first).
-  Endpoint discover() const;
   // Something suggests the master changed (a broken connection, READONLY, too few acks): in
   // Sentinel mode, ask the sentinels again before the next connection.
   void suspect() const noexcept {
     if (!sentinels_.empty()) rediscover_.store(true);
   }
 
-  // Writes `data` whole, or throws (throw_io).
-  void send(Link& c, std::string_view data, const char* during) const;
-  // The next reply, or throws (throw_io).
-  ReplyPtr read_reply(Link& c, const char* during) const;
   // A connection of its own for the construction's checks and a few diagnostics (no pool: the
-  // stores' calls go through the engine): `requests` (`replies` of them) sent in one write, every
-  // reply read, the connection closed. Failures are connection_error / timeout_error (these are
+  // stores' calls go through the engine), opened as the engine opens one, on a private loop
+  // (opening.cpp): `requests` (`replies` of them) sent in one write, every reply read, the
+  // connection closed. Failures are connection_error / timeout_error (these are
   // reads and SCRIPT LOADs: nothing is in doubt).
   std::vector<ReplyPtr> session(std::string_view requests, std::size_t replies, const char* during) const;
   static void check_loaded(const redisReply* r, Script s, const ReplyErrorHints& hints);
@@ -233,7 +198,7 @@ private:
   RedisOptions opt_;
   std::unique_ptr<const Tls> tls_;  // null without TLS; built once, shared by every connection
   std::vector<Endpoint> sentinels_;
-  mutable std::mutex master_mu_;         // guards master_ and first_sentinel_, serialises discovery
+  mutable std::mutex master_mu_;         // guards master_, first_sentinel_ and last_discovery_
   mutable Endpoint master_;              // Sentinel mode: the master last discovered
   mutable std::size_t first_sentinel_ = 0;
   mutable std::chrono::steady_clock::time_point last_discovery_{};

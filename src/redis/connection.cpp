@@ -1,20 +1,18 @@
 // AsyncRedisStore's connection (connection.hpp, the class in connection_impl.hpp), its strand's
-// side: one socket, opened by the connection factory every Redis entry point shares
-// (Client::open_ready: TCP or Unix, TLS, AUTH, SELECT, Sentinel). Requests queue while a write is
+// side: one socket, opened on the strand as every Redis connection is (opening.hpp: TCP or Unix,
+// TLS, AUTH, SELECT, Sentinel). Requests queue while a write is
 // under way and then go out together, one-key steps coalesced; replies are read as they come,
 // parsed by hiredis's reader and matched in order. An idle connection is parked for a blocked
 // caller (handover.cpp).
 
 #include "connection_impl.hpp"
 
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
 
-#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/write.hpp>
 
@@ -50,11 +48,6 @@ void Connection::submit(std::vector<std::unique_ptr<Op>> ops) {
 }
 
 void Connection::shutdown() {
-  {
-    std::lock_guard lk(opener_mu_);
-    stopping_ = true;  // no opening starts after this one: its post could outlive the executor
-    if (opener_.joinable()) opener_.join();
-  }
   net::post(strand_, [self = shared_from_this()] { self->close(); });
 }
 
@@ -105,55 +98,28 @@ void Connection::connect() {
   state_ = State::connecting;
   ++generation_;
   ++connects_;
-  std::lock_guard lk(opener_mu_);
-  if (stopping_) {
-    state_ = State::idle;
-    return fail_all(queued_, capture([] { throw usage_error("idem: this AsyncRedisStore is being destroyed"); }));
-  }
-  if (opener_.joinable()) opener_.join();  // the previous opening posted its result already
-  // The thread touches no member: the store's destruction waits for it (shutdown), but a
-  // Connection kept alive by a queued handler must not be reached through `this` from here.
-  opener_ = std::thread([factory = factory_, strand = strand_, weak = weak_from_this(), gen = generation_] {
-    std::exception_ptr e;
-    auto link = std::make_shared<Link>();
-    try {
-      *link = factory->open_ready();
-    } catch (...) {
-      e = std::current_exception();
-    }
-    if (auto self = weak.lock())
-      net::post(strand, [self, gen, link, e] { self->connected(gen, std::move(*link), e); });
-  });
+  net::co_spawn(
+      strand_,
+      [self = shared_from_this(), gen = generation_]() -> net::awaitable<void> {
+        std::optional<Opened> opened;
+        std::exception_ptr e;
+        try {
+          Opened o = co_await open_ready(*self->factory_);
+          opened.emplace(std::move(o));
+        } catch (...) {
+          e = std::current_exception();
+        }
+        self->connected(gen, std::move(opened), e);
+      },
+      net::detached);
 }
 
-void Connection::connected(std::uint64_t gen, Link link, std::exception_ptr e) {
+void Connection::connected(std::uint64_t gen, std::optional<Opened> opened, std::exception_ptr e) {
   if (gen != generation_) return;
   if (e) return connect_failed(e);
   where_ = factory_->where();
-  const int fd = ::dup(link->fd);
-  sockaddr_storage addr{};
-  socklen_t len = sizeof addr;
-  boost::system::error_code ec;
-  if (fd < 0 || ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    if (fd >= 0) ::close(fd);
-    return connect_failed(capture([&] {
-      throw connection_error(fmt::format("idem: cannot take over the connection to Redis at {}: {}", where_,
-                                         std::strerror(errno)),
-                             "", true);
-    }));
-  }
-  const int family = addr.ss_family;
-  socket_.assign(net::generic::stream_protocol(family, family == AF_UNIX ? 0 : IPPROTO_TCP), fd, ec);
-  if (ec) {
-    ::close(fd);
-    return connect_failed(capture([&] {
-      throw connection_error(fmt::format("idem: cannot take over the connection to Redis at {}: {}", where_, ec.message()),
-                             "", true);
-    }));
-  }
-  if (family != AF_UNIX) socket_.set_option(net::ip::tcp::no_delay(true), ec);
-  link_ = std::move(link);
-  if (link_.tls) link_.tls->nonblocking_ = true;  // its reads and writes answer EAGAIN instead of waiting
+  socket_ = std::move(opened->socket);
+  tls_ = std::move(opened->tls);
   reader_.reset(redisReaderCreate());
   limit_aggregates(reader_.get());
   state_ = State::ready;
@@ -232,7 +198,7 @@ void Connection::send_bytes(std::string bytes, std::size_t n) {
   wdone_ = 0;
   if (!timer_armed_) arm_timer();
   if (!reading_) read();
-  if (link_.tls) return write_tls(generation_);
+  if (tls_) return write_tls(generation_);
   net::async_write(socket_, net::buffer(wbuf_),
                    [self = shared_from_this(), gen = generation_](boost::system::error_code ec, std::size_t) {
                      if (gen != self->generation_) return;
@@ -242,7 +208,7 @@ void Connection::send_bytes(std::string bytes, std::size_t n) {
 }
 
 void Connection::write_tls(std::uint64_t gen) {
-  wdone_ += link_.tls->write(std::string_view(wbuf_).substr(wdone_));
+  wdone_ += tls_->write(std::string_view(wbuf_).substr(wdone_));
   if (wdone_ == wbuf_.size()) return written();
   if (errno != EAGAIN) return send_failed(tls_failure());
   socket_.async_wait(net::socket_base::wait_write, [self = shared_from_this(), gen](boost::system::error_code ec) {
@@ -262,13 +228,13 @@ void Connection::send_failed(const std::string& why) {
 }
 
 std::string Connection::tls_failure() const {
-  const TlsSession& s = *link_.tls;
+  const TlsSession& s = *tls_;
   return s.failure().empty() ? std::string(errno == 0 ? "the server closed it" : std::strerror(errno)) : s.failure();
 }
 
 void Connection::read() {
   reading_ = true;
-  if (link_.tls) {
+  if (tls_) {
     socket_.async_wait(net::socket_base::wait_read, [self = shared_from_this(), gen = generation_](
                                                         boost::system::error_code ec) {
       if (gen != self->generation_) return;
@@ -298,12 +264,12 @@ void Connection::next() {
 
 void Connection::read_tls() {
   for (;;) {
-    const long n = link_.tls->read(rbuf_.data(), rbuf_.size());
+    const long n = tls_->read(rbuf_.data(), rbuf_.size());
     if (n > 0) {
       if (!received(static_cast<std::size_t>(n))) return;
       continue;
     }
-    if (n < 0 && errno == EAGAIN && !link_.tls->refused()) break;
+    if (n < 0 && errno == EAGAIN && !tls_->refused()) break;
     return broken({fmt::format("connection to Redis at {} broke: {}", where_, n == 0 ? "the server closed it" : tls_failure()),
                    false});
   }
@@ -474,7 +440,7 @@ void Connection::drop_socket() {
   writing_ = false;
   reading_ = false;
   reader_.reset();
-  link_ = Link{};
+  tls_.reset();
 }
 
 void Connection::fail_all(std::deque<std::unique_ptr<Op>>& ops, const std::exception_ptr& e) {

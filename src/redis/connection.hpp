@@ -159,8 +159,8 @@ struct Plain final : Op {
 
 class Connection;
 
-// A connection to the server of `o` on a strand of `ex`, opened through `factory` (the blocking
-// client's connection factory) on the first request and after each break. With `routing`
+// A connection to the server of `o` on a strand of `ex`, opened with `factory` (the blocking
+// client: opening.hpp) on the strand, at the first request and after each break. With `routing`
 // (cluster mode), redirected requests go back to it.
 std::shared_ptr<Connection> make_connection(boost::asio::any_io_executor ex, const RedisOptions& o,
                                             std::shared_ptr<const Client> factory,
@@ -182,8 +182,8 @@ AsyncRedisStats stats(const Connection& c) noexcept;
 // What AsyncRedisStore sends through (engine.cpp): the one connection to a server (plain,
 // TLS, Sentinel), or in cluster mode one connection per master, requests routed by slot.
 class Engine;
-// `client` is the store's blocking client: the connection factory, and in cluster mode the
-// slot map.
+// `client` is the store's blocking client: what connections are opened with, and in cluster mode
+// the slot map.
 std::shared_ptr<Engine> make_engine(boost::asio::any_io_executor ex, const RedisOptions& o,
                                     std::shared_ptr<Client> client);
 // Sends `op` (any thread) to the server, or to the master of op->slot.

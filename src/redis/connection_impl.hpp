@@ -9,10 +9,9 @@
 #include <atomic>
 #include <cstdint>
 #include <deque>
-#include <mutex>
+#include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include <boost/asio/execution/outstanding_work.hpp>
@@ -24,15 +23,11 @@
 #include <hiredis/hiredis.h>
 
 #include "connection.hpp"
+#include "opening.hpp"
 
 namespace idem::detail::asio_redis {
 
 namespace net = boost::asio;
-
-struct ReaderFree {
-  void operator()(redisReader* r) const noexcept { redisReaderFree(r); }
-};
-using ReaderPtr = std::unique_ptr<redisReader, ReaderFree>;
 
 class Connection : public std::enable_shared_from_this<Connection> {
 public:
@@ -43,13 +38,6 @@ public:
         socket_(strand_), timer_(strand_), idle_timer_(strand_), where_(factory_->where()) {}
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
-  ~Connection() {
-    // The last reference can be dropped by the opening thread itself (its handler never ran).
-    if (opener_.joinable()) {
-      if (opener_.get_id() == std::this_thread::get_id()) opener_.detach();
-      else opener_.join();
-    }
-  }
 
   // A blocked caller's request (or batch, as one coalesced `many` call when fits_one_call), on its
   // own thread when the connection is parked; else false, the op(s) left with the caller.
@@ -64,8 +52,8 @@ public:
   // One post for all: the write they schedule finds them all queued.
   void submit(std::vector<std::unique_ptr<Op>> ops);
 
-  // The store is going away: a connection being opened is waited for (it posts to the strand),
-  // then every pending call fails and the socket closes.
+  // The store is going away: every pending call fails and the socket closes (a connection being
+  // opened is dropped when its opening ends).
   void shutdown();
 
   AsyncRedisStats stats() const noexcept;
@@ -131,13 +119,12 @@ private:
 
   // --- connecting ---------------------------------------------------------------------------
 
-  // The one connection factory every Redis entry point uses (Client::open_ready: TLS and its
-  // checks, AUTH, SELECT, Sentinel discovery and the ROLE check) runs on a thread of its own, so
-  // the loop never blocks on a connect; the ready socket is then driven here. Connections are
-  // opened rarely (the first call, a reconnect), so a thread per opening costs nothing that counts.
+  // The opening every Redis connection goes through (opening.hpp: the socket, TLS and its checks,
+  // AUTH, SELECT, Sentinel discovery and the ROLE check), as a coroutine on this strand: the loop
+  // never blocks on a connect and no thread is started for one.
   void connect();
 
-  void connected(std::uint64_t gen, Link link, std::exception_ptr e);
+  void connected(std::uint64_t gen, std::optional<Opened> opened, std::exception_ptr e);
 
   // Nothing queued was written on this connection: a first sending never ran and fails with the
   // factory's own error (a TLS check is not retryable, a server down is); a resend's first sending
@@ -215,17 +202,14 @@ private:
   // idle connection was parked without one.
   net::any_io_executor work_;
   net::strand<net::any_io_executor> strand_;
-  net::generic::stream_protocol::socket socket_;  // a dup of link_'s socket, for the loop's waits and plain I/O
+  Socket socket_;
   net::steady_timer timer_;
   net::steady_timer idle_timer_;
   std::atomic<Clock::time_point> last_activity_{};  // the last write or read: the idle check counts from it
   std::atomic<Owner> owner_{Owner::strand};
   bool idle_armed_ = false;
   std::string where_;
-  Link link_;  // the connection the factory opened (its TLS session, if any); owns the socket
-  std::mutex opener_mu_;
-  std::thread opener_;  // the factory's connect, off the loop
-  bool stopping_ = false;  // under opener_mu_: the store is being destroyed
+  std::unique_ptr<TlsSession> tls_;  // over TLS, the session on socket_
   State state_ = State::idle;
   std::uint64_t generation_ = 0;
   bool writing_ = false;

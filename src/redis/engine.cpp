@@ -9,8 +9,8 @@
 // The engine never blocks on it afterwards: a route looks the slot up as the map is, and when the
 // map is in doubt (a MOVED, a broken connection) the engine reads it again with CLUSTER SLOTS as a
 // request of its own on a node's connection, the nodes asked in turn, at most every 50 ms. Each
-// node's connection is opened through a connection factory of its own, which connects nothing
-// until the connection asks.
+// node's connections are opened with a client of the node's, which connects nothing until a
+// connection asks.
 
 #include <algorithm>
 #include <atomic>

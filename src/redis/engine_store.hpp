@@ -85,10 +85,9 @@ struct BatchState : Gather<WriteStatus> {
   }
 };
 
-// The blocking client whose connection factory opens a store's connections (TLS, AUTH, SELECT,
-// Sentinel discovery and ROLE check; in cluster mode its slot map), built from `o` with one
-// pooled connection; its constructor makes the connection check, and `limits` gets what
-// check_server reads (an evicting policy refused).
+// The blocking client a store's connections are opened with (TLS, AUTH, SELECT, Sentinel
+// discovery and ROLE check; in cluster mode its slot map), built from `o`; its constructor makes
+// the connection check, and `limits` gets what check_server reads (an evicting policy refused).
 std::shared_ptr<Client> factory_of(const RedisOptions& o, StoreLimits& limits);
 
 class EngineStore {

@@ -78,18 +78,6 @@ void throw_bad_reply(std::string_view what) {
   throw store_error(fmt::format("idem: unexpected Redis reply to {}", what), "", false);
 }
 
-IoFailure io_failure(const redisContext* c, const char* during, const std::string& where, millis command_timeout) {
-  const int err = errno;
-  const std::string text = c->errstr[0] ? reader_error(c->err, c->errstr) : std::strerror(err);
-  const bool timed_out = c->err == REDIS_ERR_IO && (err == EAGAIN || err == EWOULDBLOCK || err == ETIMEDOUT ||
-                                                    text.find("temporarily unavailable") != std::string::npos);
-  if (timed_out)
-    return {
-        fmt::format("Redis at {} did not answer {} within command_timeout ({})", where, during, ms(command_timeout)),
-        true};
-  return {fmt::format("connection to Redis at {} broke {}: {}", where, during, text), false};
-}
-
 void throw_io_error(const IoFailure& f, bool maybe_ran) {
   const std::string msg = fmt::format(
       "idem: {}{}", f.text,

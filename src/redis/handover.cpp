@@ -90,23 +90,26 @@ void Connection::run_here(std::unique_ptr<Op> op) {
 }
 
 bool Connection::quiet() noexcept {
-  const bool idle = link_.idle();
-  if (link_.tls) link_.tls->nonblocking_ = true;  // idle() leaves the session blocking
-  return idle;
+  if (tls_) return tls_->idle();
+  pollfd p{socket_.native_handle(), POLLIN, 0};
+  int rc;
+  do rc = ::poll(&p, 1, 0);
+  while (rc < 0 && errno == EINTR);
+  return rc == 0;
 }
 
 std::size_t Connection::send_here(std::string_view data, Clock::time_point deadline, IoFailure& f) {
   std::size_t done = 0;
   for (;;) {
-    done += link_.write(data.substr(done));
+    done += tls_ ? tls_->write(data.substr(done)) : write_all(socket_.native_handle(), data.substr(done));
     if (done == data.size()) return done;
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       f = {fmt::format("connection to Redis at {} broke while sending: {}", where_,
-                       link_.tls ? tls_failure() : std::string(std::strerror(errno))),
+                       tls_ ? tls_failure() : std::string(std::strerror(errno))),
            false};
       return done;
     }
-    if (!wait_fd(link_->fd, POLLOUT, deadline)) {
+    if (!wait_fd(socket_.native_handle(), POLLOUT, deadline)) {
       f = {timed_out_text(), true};
       return done;
     }
@@ -122,8 +125,8 @@ ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
       return nullptr;
     }
     if (raw != nullptr) return ReplyPtr(static_cast<redisReply*>(raw));
-    const long n = link_.tls ? link_.tls->read(rbuf_.data(), rbuf_.size())
-                             : static_cast<long>(::recv(link_->fd, rbuf_.data(), rbuf_.size(), 0));
+    const long n = tls_ ? tls_->read(rbuf_.data(), rbuf_.size())
+                        : static_cast<long>(::recv(socket_.native_handle(), rbuf_.data(), rbuf_.size(), MSG_DONTWAIT));
     if (n > 0) {
       if (redisReaderFeed(reader_.get(), rbuf_.data(), static_cast<std::size_t>(n)) != REDIS_OK) {
         f = {fmt::format("Redis at {} sent bytes that are not RESP", where_), false};
@@ -131,13 +134,13 @@ ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
       }
       continue;
     }
-    if (n < 0 && errno == EINTR && !link_.tls) continue;
-    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) || (link_.tls && link_.tls->refused())) {
-      const std::string why = n == 0 ? "the server closed it" : link_.tls ? tls_failure() : std::strerror(errno);
+    if (n < 0 && errno == EINTR && !tls_) continue;
+    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) || (tls_ && tls_->refused())) {
+      const std::string why = n == 0 ? "the server closed it" : tls_ ? tls_failure() : std::strerror(errno);
       f = {fmt::format("connection to Redis at {} broke: {}", where_, why), false};
       return nullptr;
     }
-    if (!wait_fd(link_->fd, POLLIN, deadline)) {
+    if (!wait_fd(socket_.native_handle(), POLLIN, deadline)) {
       f = {timed_out_text(), true};
       return nullptr;
     }

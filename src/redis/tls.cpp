@@ -37,13 +37,13 @@ std::string openssl_reason() {
 }
 
 // The socket BIO of every session: send(2) with MSG_NOSIGNAL, as the plain path writes (OpenSSL's
-// own socket BIO uses write(2), which raises SIGPIPE on a socket the server closed), and recv(2)
-// with MSG_DONTWAIT while the session is non-blocking (the bounded handshake, the idle check).
+// own socket BIO uses write(2), which raises SIGPIPE on a socket the server closed), and recv(2);
+// neither waits (MSG_DONTWAIT): the caller waits for the socket, so every wait is bounded.
 int bio_write(BIO* b, const char* data, int len) {
   auto* s = static_cast<TlsSession*>(BIO_get_data(b));
   BIO_clear_retry_flags(b);
   ssize_t n;
-  do n = ::send(s->fd_, data, static_cast<std::size_t>(len), MSG_NOSIGNAL | (s->nonblocking_ ? MSG_DONTWAIT : 0));
+  do n = ::send(s->fd_, data, static_cast<std::size_t>(len), MSG_NOSIGNAL | MSG_DONTWAIT);
   while (n < 0 && errno == EINTR);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_write(b);
   return static_cast<int>(n);
@@ -53,7 +53,7 @@ int bio_read(BIO* b, char* buf, int len) {
   auto* s = static_cast<TlsSession*>(BIO_get_data(b));
   BIO_clear_retry_flags(b);
   ssize_t n;
-  do n = ::recv(s->fd_, buf, static_cast<std::size_t>(len), s->nonblocking_ ? MSG_DONTWAIT : 0);
+  do n = ::recv(s->fd_, buf, static_cast<std::size_t>(len), MSG_DONTWAIT);
   while (n < 0 && errno == EINTR);
   if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) BIO_set_retry_read(b);
   if (n > 0) s->heard_ = true;
@@ -203,8 +203,6 @@ TlsHandshake::TlsHandshake(const Tls& tls, int fd, const std::string& host, std:
                                         : X509_VERIFY_PARAM_set1_host(param, name_.c_str(), 0);
     if (ok != 1) refuse(at_, role_, fmt::format("'{}' cannot be checked as a host name", printable(name_, 200)));
   }
-  // Non-blocking: the caller waits for the socket, so the handshake as a whole can be bounded.
-  s_->nonblocking_ = true;
 }
 
 TlsHandshake::~TlsHandshake() = default;
@@ -264,48 +262,7 @@ void TlsHandshake::throw_timeout(millis timeout, bool probed) const {
 }
 
 std::unique_ptr<TlsSession> TlsHandshake::session() {
-  s_->nonblocking_ = false;
   return std::move(s_);
-}
-
-// The handshake stepped with poll(2), bounded by `timeout`.
-std::unique_ptr<TlsSession> Tls::connect(int fd, const std::string& host, const std::string& at, const char* role,
-                                         millis timeout, const PlainTextProbe& probe) const {
-  TlsHandshake h(*this, fd, host, at, role);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  bool probed = !probe;
-  // Once, and only while the server has sent nothing: after any byte of TLS it is no plain port.
-  auto ask_probe = [&] {
-    if (probed || h.heard()) return;
-    probed = true;
-    probe(std::max(millis{0}, std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now())));
-  };
-  for (;;) {
-    const TlsHandshake::Step step = h.step();
-    if (step == TlsHandshake::Step::done) return h.session();
-    if (step == TlsHandshake::Step::closed) {
-      // A closed socket is also what a plain-text Redis may do with the handshake's bytes: the
-      // probe tells; otherwise it may pass, so retry.
-      ask_probe();
-      h.throw_closed();
-    }
-    const auto left = std::chrono::duration_cast<millis>(deadline - std::chrono::steady_clock::now());
-    // A plain-text Redis that found no newline in the ClientHello says nothing until the
-    // deadline, and a timeout says "retry", which can never help: ask the probe early.
-    const bool want_read = step == TlsHandshake::Step::want_read;
-    const bool early = !probed && !h.heard() && want_read && probe_delay(timeout) < left;
-    const millis wait = early ? probe_delay(timeout) : left;
-    pollfd p{fd, static_cast<short>(want_read ? POLLIN : POLLOUT), 0};
-    int n = 0;
-    if (wait.count() > 0) {
-      do n = ::poll(&p, 1, static_cast<int>(wait.count()));
-      while (n < 0 && errno == EINTR);
-    }
-    if (n > 0) continue;
-    ask_probe();
-    if (early) continue;
-    h.throw_timeout(timeout, static_cast<bool>(probe));
-  }
 }
 
 TlsSession::~TlsSession() {
@@ -321,7 +278,7 @@ void TlsSession::failed(int ret) noexcept {
   switch (err) {
     case SSL_ERROR_WANT_READ:
     case SSL_ERROR_WANT_WRITE:
-      // The socket's send/receive timeout (command_timeout) expired.
+      // The socket has nothing to read, or no room to write: the caller waits for it.
       ERR_clear_error();
       errno = EAGAIN;
       return;
@@ -384,13 +341,11 @@ bool TlsSession::idle() noexcept {
   if (rc == 0) return true;
   // Readable: a TLS 1.3 session ticket the server sent after the handshake is no reason to drop
   // the connection; data or a close on an idle connection is.
-  nonblocking_ = true;
   ERR_clear_error();
   char b;
   const int n = SSL_peek(ssl_, &b, 1);
   const int err = n > 0 ? SSL_ERROR_NONE : SSL_get_error(ssl_, n);
   ERR_clear_error();
-  nonblocking_ = false;
   return n <= 0 && err == SSL_ERROR_WANT_READ;
 }
 

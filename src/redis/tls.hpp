@@ -1,8 +1,9 @@
 #pragma once
 // Internal to idem_redis: TLS for the Redis client on OpenSSL, since Debian's hiredis 0.14 has
-// none. hiredis still opens the TCP socket and parses the replies; Tls is the context one client
-// builds from RedisTlsOptions (every file loaded and checked then, so a bad one fails at
-// construction), TlsSession the session of one connection on the socket hiredis connected.
+// none (hiredis only parses the replies). Tls is the context one client builds from
+// RedisTlsOptions (every file loaded and checked then, so a bad one fails at construction),
+// TlsHandshake the client handshake stepped by the opening's loop (opening.cpp), TlsSession the
+// session of one connection on its socket.
 // Errors: a check that failed (certificate, host name, protocol, a plain-text server) is a
 // connection_error with code "TLS", not retryable; a socket that failed is an ordinary,
 // retryable connection_error, and a handshake that ran out of connect_timeout a timeout_error.
@@ -11,7 +12,6 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -34,16 +34,6 @@ public:
   ~Tls();
   Tls(const Tls&) = delete;
   Tls& operator=(const Tls&) = delete;
-
-  // Asked once when the server has sent nothing back within probe_delay, or closed without a byte:
-  // throws when the port turns out to speak plain text, else returns; `budget` is the time left.
-  using PlainTextProbe = std::function<void(millis budget)>;
-
-  // The handshake on `fd` (connected by hiredis), bounded by `timeout` as a whole. `host` is the
-  // name dialled (SNI and the name checked, unless server_name is set); `at` and `role` name the
-  // server in messages. `probe` (may be empty) tells a silent plain-text port from a slow server.
-  std::unique_ptr<TlsSession> connect(int fd, const std::string& host, const std::string& at, const char* role,
-                                      millis timeout, const PlainTextProbe& probe = {}) const;
 
   // How long a silent handshake waits before the probe: a TLS server answers a ClientHello within
   // a round trip, and the probe costs a connection the TLS server refuses (and may log).
@@ -70,10 +60,10 @@ public:
 
   // Writes until all of `data` went out or an error: the bytes written in whole TLS records (a
   // record cut short cannot be decrypted, so the server never sees its bytes). errno is set as
-  // send(2) would set it (EAGAIN after the send timeout).
+  // send(2) would set it (EAGAIN: the socket is full, wait until it is writable).
   std::size_t write(std::string_view data) noexcept;
   // Up to n decrypted bytes; 0 when the server closed the session; -1 on an error, with errno
-  // (EAGAIN: the receive timeout) and failure() saying what happened.
+  // (EAGAIN: nothing to read yet, wait until the socket is readable) and failure() saying what happened.
   long read(char* buf, std::size_t n) noexcept;
   // An idle session has no data to read: true when nothing is readable, or only records that
   // are not data (TLS 1.3 session tickets, consumed here); false when data or a close is waiting.
@@ -87,7 +77,6 @@ public:
 
   // Set by tls.cpp's socket BIO and callbacks.
   int fd_ = -1;
-  bool nonblocking_ = false;
   bool certificate_asked_ = false;
   bool heard_ = false;  // the server sent a byte: it is not silent
 
@@ -102,8 +91,8 @@ private:
 };
 
 // One client handshake on a connected socket, stepped by its caller without I/O of its own: the
-// caller waits for the socket to be ready for what step() asks (Tls::connect with poll; a
-// transport on an event loop the same way) and asks the plain-text probe when it fits.
+// caller waits for the socket to be ready for what step() asks (opening.cpp, on its event loop)
+// and asks the plain-text probe when it fits.
 class TlsHandshake {
 public:
   enum class Step {
@@ -129,7 +118,7 @@ public:
   // The handshake outlived `timeout` (timeout_error "TLS", retryable); without `probed` the message
   // names a plain-text port as a possible cause.
   [[noreturn]] void throw_timeout(millis timeout, bool probed) const;
-  // After Step::done: the session, switched to blocking I/O.
+  // After Step::done: the session (non-blocking: its reads and writes answer EAGAIN rather than wait).
   std::unique_ptr<TlsSession> session();
 
 private:

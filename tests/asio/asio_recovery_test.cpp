@@ -3,7 +3,12 @@
 // proxy's next reply is then the call under test. Then a Sentinel failover under the async face.
 #include <catch2/catch.hpp>
 
+#include <signal.h>
+
 #include <atomic>
+#include <filesystem>
+#include <future>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -36,6 +41,47 @@ struct Proxied {
 }  // namespace
 
 IDEM_LOST_REPLY_SUITE(Proxied, "async", "[asio]")
+
+namespace {
+std::size_t threads_now() {
+  std::size_t n = 0;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) n += task.is_directory() ? 1 : 0;
+  return n;
+}
+}  // namespace
+
+// A connection opens on the loop, as a coroutine on its strand: no thread is started for it, and
+// a server that accepts the connection but never answers the hello holds the call for
+// command_timeout only, then the call fails as a connect that ran nothing (retryable).
+TEST_CASE("AsyncRedisStore: a connection opens on the loop, no thread of its own", "[asio]") {
+  RedisServer server;
+  IoThread io;
+  idem::RedisOptions o = server.options();
+  o.db = 1;  // so the hello has a request (SELECT) to wait on
+  o.command_timeout = 700ms;
+  idem::AsyncRedisStore store{io.io.get_executor(), o};  // its check ran on a private loop, and is over
+  const std::size_t before = threads_now();
+  REQUIRE(::kill(server.pid(), SIGSTOP) == 0);
+  std::future<std::optional<idem::Record>> call = store.async_inspect("opening-" + idem::test::random_hex(),
+                                                              boost::asio::use_future);
+  std::this_thread::sleep_for(300ms);  // the connect is done by the kernel; the hello waits for an answer
+  const std::size_t during = threads_now();
+  const auto t0 = std::chrono::steady_clock::now();
+  bool retryable = false;
+  try {
+    (void)call.get();
+  } catch (const idem::error& e) {
+    retryable = e.retryable();
+    INFO(e.what());
+    CHECK(std::string(e.what()).find("did not answer while authenticating") != std::string::npos);
+  }
+  const auto waited = std::chrono::steady_clock::now() - t0;
+  REQUIRE(::kill(server.pid(), SIGCONT) == 0);
+  CHECK(during == before);
+  CHECK(retryable);
+  CHECK(waited < 2s);
+  CHECK_NOTHROW(store.inspect("opening-after-" + idem::test::random_hex()));
+}
 
 // Sentinel on the async face: the connection factory asks the sentinels for the master (and checks
 // its ROLE); a broken connection or a READONLY answer makes the next connection ask again.

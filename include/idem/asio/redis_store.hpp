@@ -74,10 +74,10 @@ struct SequenceRequests;
  * behind a late one waits for it): every request on it is then in doubt and handled as above.
  * NOSCRIPT reloads the script and sends the request again. Errors are idem's typed errors.
  *
- * Connections are opened by the connection factory RedisStore uses (TCP or a Unix socket, TLS and
- * mutual TLS with hostname verification, AUTH, SELECT; with Sentinel the master the sentinels name,
- * its ROLE checked, and asked again after a break or a READONLY answer), on a thread of its own so
- * the loop never blocks, then driven by the loop. The constructor connects once to check the
+ * Connections are opened as RedisStore's are (TCP or a Unix socket, TLS and mutual TLS with
+ * hostname verification, AUTH, SELECT; with Sentinel the master the sentinels name, its ROLE
+ * checked, and asked again after a break or a READONLY answer), on the loop itself, every step
+ * bounded by connect_timeout or command_timeout: no connect blocks the loop or starts a thread. The constructor connects once to check the
  * address, credentials and settings exactly as RedisStore does (an evicting maxmemory-policy is
  * refused). With min_replica_acks each write carries its WAIT in the same write, as RedisStore's
  * do (durability_error when too few replicas have it). With Redis Cluster (redis-cluster://) it

@@ -15,7 +15,7 @@ namespace idem {
 /// Options of a RedisStreamsPublisher.
 struct RedisStreamsPublisherOptions {
   /// The server: `url` (redis://, rediss://, unix://, redis-sentinel://, redis-cluster://) or the
-  /// fields, connected through the stores' connection factory (TLS and its checks, AUTH, SELECT,
+  /// fields, connected as the stores connect (TLS and its checks, AUTH, SELECT,
   /// Sentinel); on a cluster each XADD goes to its stream's master, one at a time.
   RedisOptions redis;
   /// Prepended to every message's destination to name its stream ("" = the destination as is).

@@ -1,0 +1,93 @@
+// What every Redis connection shares (client.hpp): the plain write path, hiredis's reply reader
+// with the bound on aggregates, AUTH, and how an endpoint is named in messages.
+
+#include "client.hpp"
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include <sys/socket.h>
+
+#include <fmt/format.h>
+
+#include "idem/core/error.hpp"
+
+namespace idem::detail::redis {
+
+void add_auth(Pipeline& p, const std::string& user, const std::string& password) {
+  if (password.empty()) return;
+  Command auth;
+  auth.arg("AUTH");
+  if (!user.empty()) auth.arg(user);
+  p.add(auth.arg(password).format());
+}
+
+std::string describe(const Endpoint& e) {
+  if (e.port == 0) return e.host;
+  return e.host.find(':') != std::string::npos ? fmt::format("[{}]:{}", e.host, e.port)
+                                               : fmt::format("{}:{}", e.host, e.port);
+}
+
+// The one write path. hiredis's own writer uses write(2), which raises SIGPIPE on a socket the
+// server closed; send with MSG_NOSIGNAL turns that into EPIPE. Returns the bytes written.
+std::size_t write_all(int fd, std::string_view data) noexcept {
+  std::size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  return done;
+}
+
+namespace {
+void* create_limited_array(const redisReadTask* task, int elements);
+
+// hiredis's own reply functions (a table static inside hiredis, which every reader it makes points
+// to, so read from one) and the same table with createArray checking the announced count first.
+// hiredis takes the table as non-const; it never writes it.
+struct ReplyFunctions {
+  const redisReplyObjectFunctions* hiredis = nullptr;  // null only if hiredis could not make a reader
+  redisReplyObjectFunctions limited{};
+};
+
+ReplyFunctions& reply_functions() noexcept {
+  static ReplyFunctions f = [] {
+    ReplyFunctions out;
+    if (redisReader* r = redisReaderCreate()) {
+      out.hiredis = r->fn;
+      out.limited = *r->fn;
+      out.limited.createArray = create_limited_array;
+      redisReaderFree(r);
+    }
+    return out;
+  }();
+  return f;
+}
+
+void* create_limited_array(const redisReadTask* task, int elements) {
+  if (elements < 0 || elements > max_reply_elements) return nullptr;
+  return reply_functions().hiredis->createArray(task, elements);
+}
+}  // namespace
+
+void limit_aggregates(redisReader* r) noexcept {
+  ReplyFunctions& f = reply_functions();
+  if (r != nullptr && f.hiredis != nullptr && r->fn == f.hiredis) r->fn = &f.limited;
+}
+
+const char* reader_error(int err, const char* errstr) noexcept {
+  if (err != REDIS_ERR_OOM) return errstr;
+  static const std::string text = fmt::format(
+      "a reply announced more than {} elements (not a Redis server's reply, or a damaged one), or memory ran out",
+      max_reply_elements);
+  return text.c_str();
+}
+
+}  // namespace idem::detail::redis
