@@ -125,9 +125,15 @@ Hello hello_for(const RedisOptions& o, bool sentinel, bool tls) {
   return h;
 }
 
-bool hello_accepted(const Hello& h, const std::vector<ReplyPtr>& answers) {
+std::string_view hello_refusal(const std::vector<ReplyPtr>& answers) {
   for (const ReplyPtr& a : answers)
-    if (is_error(a.get())) throw_reply_error(reply_text(a.get()), "the connection handshake (AUTH/SELECT)", store_hints);
+    if (is_error(a.get())) return reply_text(a.get());
+  return {};
+}
+
+bool hello_accepted(const Hello& h, const std::vector<ReplyPtr>& answers) {
+  if (const std::string_view refused = hello_refusal(answers); !refused.empty())
+    throw_reply_error(refused, "the connection handshake (AUTH/SELECT)", store_hints);
   if (!h.check_role) return true;
   const redisReply* r = answers.back().get();
   return r->type == REDIS_REPLY_ARRAY && r->elements > 0 && r->element[0]->type == REDIS_REPLY_STRING &&

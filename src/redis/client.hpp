@@ -94,6 +94,25 @@ void limit_aggregates(redisReader* r) noexcept;
 // A reader error's text for users: hiredis's own, except that its "Out of memory" also names the limit.
 const char* reader_error(int err, const char* errstr) noexcept;
 
+// hiredis's reply parser, bounded (limit_aggregates): bytes in, whole replies out. Every connection
+// reads its replies through one, whoever does its I/O (the engine's strand, a blocked caller, an
+// opening), so replies are parsed, and bytes that are not RESP refused, in one place.
+class RespReader {
+public:
+  RespReader();
+  // False when the bytes cannot be RESP: the connection is then broken (error()).
+  bool feed(const char* data, std::size_t n) noexcept;
+  // The next whole reply; null when more bytes are needed, or when they are not RESP (failed()).
+  ReplyPtr next() noexcept;
+  [[nodiscard]] bool failed() const noexcept { return failed_; }
+  // What was wrong with the bytes the server at `where` sent.
+  [[nodiscard]] std::string error(std::string_view where) const;
+
+private:
+  ReaderPtr r_;
+  bool failed_ = false;
+};
+
 // min_replica_acks: after `what` (a run of script `s`) changed a record, the reply to the WAIT sent
 // with it must count o.min_replica_acks replicas: store_error when WAIT was refused, durability_error
 // when too few replicas acknowledged (`where` names the primary).
@@ -115,11 +134,14 @@ Hello hello_for(const RedisOptions& o, bool sentinel, bool tls);
 // The answers to h.requests, in order: an error reply throws what it maps to (AUTH or SELECT
 // refused); false when ROLE does not say master; true when the connection may carry requests.
 bool hello_accepted(const Hello& h, const std::vector<ReplyPtr>& answers);
+// The first error reply among a hello's answers (its text), "" when there is none: a refusal
+// hello_accepted throws, and the sentinels' lookup collects into its message.
+std::string_view hello_refusal(const std::vector<ReplyPtr>& answers);
 
-// Sentinel mode: the requests asking a sentinel for o.sentinel_master (AUTH first when the
+// Sentinel mode: the hello a sentinel is sent, asking for o.sentinel_master (AUTH first when the
 // sentinels have a password; the last answer is get-master-addr-by-name's), and that answer read:
 // the master, or nothing when the sentinel does not know the name.
-Pipeline sentinel_query(const RedisOptions& o);
+Hello sentinel_hello(const RedisOptions& o);
 std::optional<Endpoint> parse_master_addr(const redisReply* r);
 // "host:port", "[v6]:port", or the socket path (port 0).
 std::string describe(const Endpoint& e);

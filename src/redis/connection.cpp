@@ -120,8 +120,7 @@ void Connection::connected(std::uint64_t gen, std::optional<Opened> opened, std:
   where_ = factory_->where();
   socket_ = std::move(opened->socket);
   tls_ = std::move(opened->tls);
-  reader_.reset(redisReaderCreate());
-  limit_aggregates(reader_.get());
+  reader_.emplace();
   state_ = State::ready;
   touch();
   write();  // it reads once it has written, and parks the connection when nothing is queued
@@ -279,20 +278,14 @@ void Connection::read_tls() {
 bool Connection::received(std::size_t n) {
   const auto gen = generation_;
   touch();
-  if (redisReaderFeed(reader_.get(), rbuf_.data(), n) != REDIS_OK) {
-    broken({fmt::format("Redis at {} sent bytes that are not RESP", where_), false});
-    return false;
-  }
+  reader_->feed(rbuf_.data(), n);
   for (;;) {
-    void* raw = nullptr;
-    if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK) {
-      broken({fmt::format("Redis at {} sent a reply that is not RESP: {}", where_,
-                          reader_error(reader_->err, reader_->errstr)),
-              false});
+    ReplyPtr reply = reader_->next();
+    if (reader_->failed()) {
+      broken({reader_->error(where_), false});
       return false;
     }
-    if (raw == nullptr) return true;
-    ReplyPtr reply(static_cast<redisReply*>(raw));
+    if (!reply) return true;
     if (inflight_.empty()) {
       broken({fmt::format("Redis at {} sent a reply to no request", where_), false});
       return false;

@@ -222,7 +222,7 @@ private:
   std::string wbuf_;
   std::size_t wdone_ = 0;  // TLS: bytes of wbuf_ written so far
   std::array<char, 64 * 1024> rbuf_{};
-  ReaderPtr reader_;
+  std::optional<RespReader> reader_;  // while connected: the replies read on socket_
   std::atomic<std::uint64_t> requests_{0}, writes_{0}, connects_{0}, resent_{0}, reloads_{0}, coalesced_{0},
       health_checks_{0}, health_failures_{0};
 };

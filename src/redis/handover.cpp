@@ -118,20 +118,16 @@ std::size_t Connection::send_here(std::string_view data, Clock::time_point deadl
 
 ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
   for (;;) {
-    void* raw = nullptr;
-    if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK) {
-      f = {fmt::format("Redis at {} sent a reply that is not RESP: {}", where_, reader_error(reader_->err, reader_->errstr)),
-           false};
+    ReplyPtr reply = reader_->next();
+    if (reader_->failed()) {
+      f = {reader_->error(where_), false};
       return nullptr;
     }
-    if (raw != nullptr) return ReplyPtr(static_cast<redisReply*>(raw));
+    if (reply) return reply;
     const long n = tls_ ? tls_->read(rbuf_.data(), rbuf_.size())
                         : static_cast<long>(::recv(socket_.native_handle(), rbuf_.data(), rbuf_.size(), MSG_DONTWAIT));
     if (n > 0) {
-      if (redisReaderFeed(reader_.get(), rbuf_.data(), static_cast<std::size_t>(n)) != REDIS_OK) {
-        f = {fmt::format("Redis at {} sent bytes that are not RESP", where_), false};
-        return nullptr;
-      }
+      reader_->feed(rbuf_.data(), static_cast<std::size_t>(n));
       continue;
     }
     if (n < 0 && errno == EINTR && !tls_) continue;

@@ -118,9 +118,7 @@ net::awaitable<Socket> dial(const Endpoint& to, millis timeout, const char* role
 // replies parsed by hiredis's reader, each wait bounded by the deadline given.
 class Wire {
 public:
-  Wire(Socket& s, TlsSession* tls) : s_(s), tls_(tls), reader_(redisReaderCreate()) {
-    limit_aggregates(reader_.get());
-  }
+  Wire(Socket& s, TlsSession* tls) : s_(s), tls_(tls) {}
 
   // False when the connection failed (failure() says how).
   net::awaitable<bool> send(std::string_view data, Clock::time_point deadline) {
@@ -138,22 +136,19 @@ public:
   // The next reply, or null when the connection failed (failure() says how).
   net::awaitable<ReplyPtr> next(Clock::time_point deadline) {
     for (;;) {
-      void* raw = nullptr;
-      if (redisReaderGetReply(reader_.get(), &raw) != REDIS_OK) {
-        why_ = reader_error(reader_->err, reader_->errstr);
+      ReplyPtr reply = reader_.next();
+      if (reader_.failed()) {
+        not_resp_ = true;
         co_return nullptr;
       }
-      if (raw != nullptr) {
+      if (reply) {
         answered_ = true;
-        co_return ReplyPtr(static_cast<redisReply*>(raw));
+        co_return reply;
       }
       const long n = tls_ ? tls_->read(buf_.data(), buf_.size())
                           : static_cast<long>(::recv(s_.native_handle(), buf_.data(), buf_.size(), MSG_DONTWAIT));
       if (n > 0) {
-        if (redisReaderFeed(reader_.get(), buf_.data(), static_cast<std::size_t>(n)) != REDIS_OK) {
-          why_ = reader_error(reader_->err, reader_->errstr);
-          co_return nullptr;
-        }
+        reader_.feed(buf_.data(), static_cast<std::size_t>(n));
         continue;
       }
       if (n == 0) {
@@ -199,6 +194,7 @@ public:
       return {fmt::format("Redis at {} did not answer {} within command_timeout ({})", where, during,
                           ms(command_timeout)),
               true};
+    if (not_resp_) return {reader_.error(where), false};
     return {fmt::format("connection to Redis at {} broke {}: {}", where, during, why_), false};
   }
 
@@ -229,12 +225,31 @@ private:
 
   Socket& s_;
   TlsSession* tls_;
-  ReaderPtr reader_;
+  RespReader reader_;
   std::array<char, 16 * 1024> buf_{};
   std::string why_;
+  bool not_resp_ = false;
   bool answered_ = false;
   bool timed_out_ = false;
 };
+
+// `requests` (n of them) written at once and their n replies read, by `deadline`: empty when the
+// connection failed (w.failure() says how).
+net::awaitable<std::vector<ReplyPtr>> exchange(Wire& w, std::string_view requests, std::size_t n,
+                                               Clock::time_point deadline) {
+  std::vector<ReplyPtr> replies;
+  if (!co_await w.send(requests, deadline)) co_return replies;
+  replies.reserve(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ReplyPtr r = co_await w.next(deadline);
+    if (!r) {
+      replies.clear();
+      co_return replies;
+    }
+    replies.push_back(std::move(r));
+  }
+  co_return replies;
+}
 
 // Whether `to` answers a plain-text PING with RESP (a reply or an error reply) within `budget`
 // (at least 50 ms, at most 500 ms). A TLS port never does: it drops a connection whose first
@@ -245,9 +260,8 @@ net::awaitable<bool> answers_plain_ping(const Endpoint& to, millis budget) {
   try {
     Socket s = co_await dial(to, budget, "Redis");
     Wire w(s, nullptr);
-    if (!co_await w.send("PING\r\n", deadline)) co_return false;
-    ReplyPtr answer = co_await w.next(deadline);
-    co_return answer != nullptr;
+    const std::vector<ReplyPtr> answer = co_await exchange(w, "PING\r\n", 1, deadline);
+    co_return !answer.empty();
   } catch (const std::exception&) {
     co_return false;
   }
@@ -302,7 +316,7 @@ net::awaitable<Endpoint> discover(const Client& c) {
   const std::vector<Endpoint>& sentinels = c.sentinels();
   const Tls* tls = o.tls.sentinels ? c.tls() : nullptr;
   const std::size_t first = c.first_sentinel();
-  const Pipeline p = sentinel_query(o);
+  const Hello hello = sentinel_hello(o);
   std::string why;
   bool any_answer = false;
   std::size_t tls_refused = 0;  // sentinels whose TLS checks failed
@@ -317,30 +331,19 @@ net::awaitable<Endpoint> discover(const Client& c) {
         session = std::move(done);
       }
       Wire w(s, session.get());
-      const auto deadline = Clock::now() + o.command_timeout;
-      if (!co_await w.send(p.all(), deadline)) {
-        fmt::format_to(std::back_inserter(why), "; {}: {}", at, w.failure(at, "while sending", o.command_timeout).text);
-        continue;
-      }
-      std::string refused;
-      ReplyPtr last;
-      for (std::size_t k = 0; k < p.size(); ++k) {
-        ReplyPtr r = co_await w.next(deadline);
-        last = std::move(r);
-        if (!last) break;
-        if (is_error(last.get()) && refused.empty()) refused = reply_text(last.get());
-      }
-      if (!last) {
+      const std::vector<ReplyPtr> answers =
+          co_await exchange(w, hello.requests.all(), hello.requests.size(), Clock::now() + o.command_timeout);
+      if (answers.empty()) {
         fmt::format_to(std::back_inserter(why), "; {}: {}", at,
                        w.failure(at, "to SENTINEL get-master-addr-by-name", o.command_timeout).text);
         continue;
       }
-      if (!refused.empty()) {
+      if (const std::string_view refused = hello_refusal(answers); !refused.empty()) {
         fmt::format_to(std::back_inserter(why), "; {} refused: {}", at, refused);
         continue;
       }
       any_answer = true;
-      if (std::optional<Endpoint> master = parse_master_addr(last.get())) {
+      if (std::optional<Endpoint> master = parse_master_addr(answers.back().get())) {
         c.learned_master(*master, i);
         co_return std::move(*master);
       }
@@ -403,16 +406,9 @@ net::awaitable<Opened> open_ready(const Client& c) {
   if (hello.requests.size() == 0) co_return out;
   // No request of the caller's was sent yet: a failure here is an ordinary connection error.
   Wire w(out.socket, out.tls.get());
-  const auto deadline = Clock::now() + o.command_timeout;
-  const bool tcp = to.port != 0;
-  const char* during = "while authenticating";
-  if (!co_await w.send(hello.requests.all(), deadline)) w.throw_failure(c.where(), during, o.command_timeout, tcp);
-  std::vector<ReplyPtr> answers;
-  for (std::size_t i = 0; i < hello.requests.size(); ++i) {
-    ReplyPtr r = co_await w.next(deadline);
-    if (!r) w.throw_failure(c.where(), during, o.command_timeout, tcp);
-    answers.push_back(std::move(r));
-  }
+  const std::vector<ReplyPtr> answers =
+      co_await exchange(w, hello.requests.all(), hello.requests.size(), Clock::now() + o.command_timeout);
+  if (answers.empty()) w.throw_failure(c.where(), "while authenticating", o.command_timeout, to.port != 0);
   // The sentinels' answer can be a moment old: a demoted master answers ROLE slave.
   if (!hello_accepted(hello, answers)) {
     c.doubt_master();
@@ -434,15 +430,11 @@ std::vector<ReplyPtr> Client::session(std::string_view requests, std::size_t rep
         try {
           Opened c = co_await open_ready(*this);
           Wire w(c.socket, c.tls.get());
-          const auto deadline = Clock::now() + opt_.command_timeout;
-          const bool tcp = sentinels_.empty() ? opt_.unix_socket.empty() : true;
-          if (!co_await w.send(requests, deadline)) w.throw_failure(where(), during, opt_.command_timeout, tcp);
-          out.reserve(replies);
-          for (std::size_t i = 0; i < replies; ++i) {
-            ReplyPtr r = co_await w.next(deadline);
-            if (!r) w.throw_failure(where(), during, opt_.command_timeout, tcp);
-            out.push_back(std::move(r));
-          }
+          std::vector<ReplyPtr> answers =
+              co_await exchange(w, requests, replies, Clock::now() + opt_.command_timeout);
+          if (answers.empty() && replies > 0)
+            w.throw_failure(where(), during, opt_.command_timeout, !sentinels_.empty() || opt_.unix_socket.empty());
+          out = std::move(answers);
         } catch (...) {
           failed = std::current_exception();
         }

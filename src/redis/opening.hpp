@@ -2,7 +2,8 @@
 // Internal to idem_redis: opening a connection to Redis, as coroutines on an event loop, so no
 // connect needs a thread of its own: the socket (TCP or Unix, bounded by connect_timeout), TLS
 // (TlsHandshake stepped by the loop, with the plain-text probe), the hello (hello_for,
-// hello_accepted) and, in Sentinel mode, the sentinels asked for the master first. The engine's
+// hello_accepted) and, in Sentinel mode, the sentinels asked for the master first (sentinel_hello,
+// hello_refusal, parse_master_addr). The engine's
 // connections open on their strand with it; a blocking caller (the construction's checks, a
 // cluster node's CLUSTER SLOTS, Client::session) runs the same on a private loop.
 

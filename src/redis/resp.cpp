@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -88,6 +89,29 @@ const char* reader_error(int err, const char* errstr) noexcept {
       "a reply announced more than {} elements (not a Redis server's reply, or a damaged one), or memory ran out",
       max_reply_elements);
   return text.c_str();
+}
+
+RespReader::RespReader() : r_(redisReaderCreate()) {
+  if (!r_) throw std::bad_alloc();
+  limit_aggregates(r_.get());
+}
+
+bool RespReader::feed(const char* data, std::size_t n) noexcept {
+  failed_ = redisReaderFeed(r_.get(), data, n) != REDIS_OK;
+  return !failed_;
+}
+
+ReplyPtr RespReader::next() noexcept {
+  void* raw = nullptr;
+  if (redisReaderGetReply(r_.get(), &raw) != REDIS_OK) {
+    failed_ = true;
+    return nullptr;
+  }
+  return ReplyPtr(static_cast<redisReply*>(raw));
+}
+
+std::string RespReader::error(std::string_view where) const {
+  return fmt::format("Redis at {} sent a reply that is not RESP: {}", where, reader_error(r_->err, r_->errstr));
 }
 
 }  // namespace idem::detail::redis

@@ -43,11 +43,11 @@ std::size_t Client::first_sentinel() const {
   return first_sentinel_;
 }
 
-Pipeline sentinel_query(const RedisOptions& o) {
-  Pipeline p;
-  add_auth(p, o.sentinel_user, o.sentinel_password);
-  p.add(Command().arg("SENTINEL").arg("get-master-addr-by-name").arg(o.sentinel_master).format());
-  return p;
+Hello sentinel_hello(const RedisOptions& o) {
+  Hello h;
+  add_auth(h.requests, o.sentinel_user, o.sentinel_password);
+  h.requests.add(Command().arg("SENTINEL").arg("get-master-addr-by-name").arg(o.sentinel_master).format());
+  return h;
 }
 
 std::optional<Endpoint> parse_master_addr(const redisReply* r) {

@@ -265,8 +265,18 @@ TEST_CASE("sentinel answer: the master's address, or nothing for a name it does 
   idem::RedisOptions o;
   o.sentinel_master = "mymaster";
   o.sentinel_password = "s";
-  const Pipeline q = sentinel_query(o);
-  REQUIRE(q.size() == 2);
-  CHECK(q[0] == "*2\r\n$4\r\nAUTH\r\n$1\r\ns\r\n");
-  CHECK(q[1] == "*3\r\n$8\r\nSENTINEL\r\n$23\r\nget-master-addr-by-name\r\n$8\r\nmymaster\r\n");
+  const Hello h = sentinel_hello(o);
+  REQUIRE(h.requests.size() == 2);
+  CHECK_FALSE(h.check_role);
+  CHECK(h.requests[0] == "*2\r\n$4\r\nAUTH\r\n$1\r\ns\r\n");
+  CHECK(h.requests[1] == "*3\r\n$8\r\nSENTINEL\r\n$23\r\nget-master-addr-by-name\r\n$8\r\nmymaster\r\n");
+  // A refused AUTH is collected into the lookup's message (the next sentinel is asked), not thrown.
+  std::vector<ReplyPtr> refused;
+  refused.push_back(owned("-WRONGPASS invalid username-password pair or user is disabled.\r\n"));
+  refused.push_back(owned("-NOAUTH Authentication required.\r\n"));
+  CHECK(hello_refusal(refused) == "WRONGPASS invalid username-password pair or user is disabled.");
+  std::vector<ReplyPtr> answered;
+  answered.push_back(owned("+OK\r\n"));
+  answered.push_back(owned("*2\r\n$9\r\n127.0.0.1\r\n$4\r\n6380\r\n"));
+  CHECK(hello_refusal(answered).empty());
 }
