@@ -1,5 +1,7 @@
 // RedisOptions: parse_redis_url, and the checks every client makes before it connects.
 
+#include <sys/un.h>
+
 #include <charconv>
 #include <string>
 #include <utility>
@@ -276,6 +278,10 @@ void check_options(const RedisOptions& o) {
     if (o.port < 1 || o.port > 65535) bad(fmt::format("port {} is not in 1..65535", o.port));
   }
   if (o.db < 0) bad(fmt::format("db {} is negative", o.db));
+  if (o.unix_socket.size() >= sizeof(sockaddr_un::sun_path))
+    bad(fmt::format("unix_socket '{}' is {} bytes long: a socket path must be shorter than {} bytes (the kernel's "
+                    "limit); use a shorter directory",
+                    printable(o.unix_socket), o.unix_socket.size(), sizeof(sockaddr_un::sun_path)));
   if (o.tls.enabled && !o.unix_socket.empty())
     bad(fmt::format("tls with unix_socket '{}': Redis speaks TLS on TCP only (tls-port)", printable(o.unix_socket)));
   if (o.tls.cert_file.empty() != o.tls.key_file.empty())

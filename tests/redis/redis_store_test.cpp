@@ -146,6 +146,8 @@ TEST_CASE("redis options are validated before connecting", "[redis][options]") {
   bad([](RedisOptions& o) { o.pool.size = 0; });
   bad([](RedisOptions& o) { o.port = 0; });
   bad([](RedisOptions& o) { o.db = -1; });
+  // Past the kernel's limit for a socket path: refused here, not found at the first connect.
+  bad([](RedisOptions& o) { o.unix_socket = "/tmp/" + std::string(120, 'd') + "/redis.sock"; });
   bad([](RedisOptions& o) { o.connect_timeout = 0ms; });
   bad([](RedisOptions& o) { o.command_timeout = -1ms; });
   bad([](RedisOptions& o) { o.pool.wait = -1ms; });
