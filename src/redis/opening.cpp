@@ -43,9 +43,9 @@ millis left_until(Clock::time_point deadline) {
   return std::max(millis{0}, std::chrono::duration_cast<millis>(deadline - Clock::now()));
 }
 
-// Cancels the socket's pending operation at `deadline`; fired() says it did. The timer's handler
-// may run after the watchdog is gone (fired and queued at once with the operation's completion),
-// so what it touches lives in a shared state the watchdog detaches from.
+// Cancels the socket's pending operation at `deadline` (judged() reports that as timed_out). The
+// timer's handler may run after the watchdog is gone (fired and queued at once with the
+// operation's completion), so what it touches lives in a shared state the watchdog detaches from.
 class Watchdog {
 public:
   Watchdog(Socket& s, Clock::time_point deadline) : timer_(s.get_executor(), deadline), st_(std::make_shared<State>()) {
