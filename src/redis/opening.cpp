@@ -137,10 +137,7 @@ public:
   net::awaitable<ReplyPtr> next(Clock::time_point deadline) {
     for (;;) {
       ReplyPtr reply = reader_.next();
-      if (reader_.failed()) {
-        not_resp_ = true;
-        co_return nullptr;
-      }
+      if (reader_.failed()) co_return nullptr;
       if (reply) {
         answered_ = true;
         co_return reply;
@@ -194,7 +191,7 @@ public:
       return {fmt::format("Redis at {} did not answer {} within command_timeout ({})", where, during,
                           ms(command_timeout)),
               true};
-    if (not_resp_) return {reader_.error(where), false};
+    if (reader_.failed()) return {reader_.error(where), false};
     return {fmt::format("connection to Redis at {} broke {}: {}", where, during, why_), false};
   }
 
@@ -228,7 +225,6 @@ private:
   RespReader reader_;
   std::array<char, 16 * 1024> buf_{};
   std::string why_;
-  bool not_resp_ = false;
   bool answered_ = false;
   bool timed_out_ = false;
 };
