@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <exception>
 #include <optional>
 #include <random>
 #include <stdexcept>
@@ -363,11 +364,17 @@ TEST_CASE("tiered lease mode: the heartbeat extends PostgreSQL's lease and Redis
   Guard guard(r.store, o);
   const auto k = r.key("lease");
   std::atomic<bool> inside{false};
+  // Catch's assertions are not thread-safe: the rival records what it saw, the main thread checks.
+  std::optional<AcquireStatus> rival_saw;
+  std::exception_ptr rival_error;
   std::thread rival([&] {
     while (!inside) std::this_thread::sleep_for(5ms);
     std::this_thread::sleep_for(450ms);  // past one lease: only the heartbeat keeps it
-    auto busy = r.store.acquire(k, pgtest::ap(99, 300ms));
-    CHECK(busy.status == AcquireStatus::in_flight);
+    try {
+      rival_saw = r.store.acquire(k, pgtest::ap(99, 300ms)).status;
+    } catch (...) {
+      rival_error = std::current_exception();
+    }
   });
   auto out = guard.run(k, [&](const idem::Context& ctx) {
     inside = true;
@@ -375,6 +382,8 @@ TEST_CASE("tiered lease mode: the heartbeat extends PostgreSQL's lease and Redis
     return static_cast<int>(ctx.fence);
   });
   rival.join();
+  if (rival_error) std::rethrow_exception(rival_error);
+  CHECK(rival_saw == AcquireStatus::in_flight);
   CHECK(out.status == Status::executed);
   CHECK(guard.run(k, [] { return 0; }).value == 1);
   CHECK(r.store.inspect(k)->state == idem::State::completed);
