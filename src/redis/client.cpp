@@ -6,13 +6,7 @@
 #include "cluster.hpp"
 #include "engine_store.hpp"
 
-#include <array>
-#include <cerrno>
 #include <charconv>
-#include <cstdio>
-#include <cstring>
-#include <iterator>
-#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>

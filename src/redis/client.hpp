@@ -80,8 +80,6 @@ RedisOptions resolve_options(RedisOptions o);
 std::vector<Endpoint> endpoints(const std::vector<std::string>& list, int default_port, const char* what);
 // RedisOptions::sentinels parsed.
 std::vector<Endpoint> sentinel_endpoints(const RedisOptions& o);
-// The plain write path: send(2) with MSG_NOSIGNAL until `data` is written or an error; the bytes written.
-std::size_t write_all(int fd, std::string_view data) noexcept;
 
 // The most elements one reply aggregate may announce. hiredis 0.14 allocates an array's element
 // table from the count in its header, before any element arrives, so one corrupt or hostile
@@ -112,6 +110,23 @@ private:
   ReaderPtr r_;
   bool failed_ = false;
 };
+
+// One step of a connection's I/O, plain or TLS, without blocking. The three loops that drive a
+// connection (the engine's strand, a blocked caller on its own thread, an opening's coroutine)
+// wait for the socket each in its own way and share these steps and their failures' words.
+enum class IoStep { done, wait, failed };
+// Writes `data` from `done` on (send(2) with MSG_NOSIGNAL, or TLS): done when all of it is written,
+// wait when the socket is full, failed otherwise (io_reason says why).
+IoStep write_step(int fd, TlsSession* tls, std::string_view data, std::size_t& done) noexcept;
+// Reads what has arrived into `reader` through `buf`: done when bytes were fed (reader.failed() says
+// whether they were RESP), wait when none have arrived, failed when the connection ended or broke.
+IoStep read_step(int fd, TlsSession* tls, RespReader& reader, char* buf, std::size_t size) noexcept;
+// Why a step failed, from the errno it left: TLS's refusal, errno's text, or (0) "the server closed it".
+std::string io_reason(const TlsSession* tls, int err);
+// "connection to Redis at W broke[ during]: why"; `during` is empty or e.g. "while sending".
+IoFailure io_broke(std::string_view where, std::string_view why, std::string_view during = {});
+// "Redis at W did not answer[ during] within command_timeout (N ms)", a timeout.
+IoFailure io_timed_out(std::string_view where, millis command_timeout, std::string_view during = {});
 
 // min_replica_acks: after `what` (a run of script `s`) changed a record, the reply to the WAIT sent
 // with it must count o.min_replica_acks replicas: store_error when WAIT was refused, durability_error

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
@@ -70,10 +69,6 @@ void Connection::close() {
   fail_all(queued_, e);
 }
 
-std::string Connection::timed_out_text() const {
-  return fmt::format("Redis at {} did not answer within command_timeout ({})", where_, ms(opt_.command_timeout));
-}
-
 void Connection::enqueue(std::unique_ptr<Op> op) {
   if (closed_) {
     op->finish(capture([] { throw usage_error("idem: this AsyncRedisStore is being destroyed"); }), nullptr);
@@ -119,6 +114,10 @@ void Connection::connected(std::uint64_t gen, std::optional<Opened> opened, std:
   if (e) return connect_failed(e);
   where_ = factory_->where();
   socket_ = std::move(opened->socket);
+  fd_ = socket_.native_handle();
+  in_reactor_ = true;
+  boost::system::error_code ignored;
+  protocol_.emplace(socket_.local_endpoint(ignored).protocol());
   tls_ = std::move(opened->tls);
   reader_.emplace();
   state_ = State::ready;
@@ -207,9 +206,9 @@ void Connection::send_bytes(std::string bytes, std::size_t n) {
 }
 
 void Connection::write_tls(std::uint64_t gen) {
-  wdone_ += tls_->write(std::string_view(wbuf_).substr(wdone_));
-  if (wdone_ == wbuf_.size()) return written();
-  if (errno != EAGAIN) return send_failed(tls_failure());
+  const IoStep step = write_step(socket_.native_handle(), tls_.get(), wbuf_, wdone_);
+  if (step == IoStep::done) return written();
+  if (step == IoStep::failed) return send_failed(io_reason(tls_.get(), errno));
   socket_.async_wait(net::socket_base::wait_write, [self = shared_from_this(), gen](boost::system::error_code ec) {
     if (gen != self->generation_) return;
     if (ec) return self->send_failed(ec.message());
@@ -222,14 +221,7 @@ void Connection::written() {
   write();
 }
 
-void Connection::send_failed(const std::string& why) {
-  broken({fmt::format("connection to Redis at {} broke while sending: {}", where_, why), false});
-}
-
-std::string Connection::tls_failure() const {
-  const TlsSession& s = *tls_;
-  return s.failure().empty() ? std::string(errno == 0 ? "the server closed it" : std::strerror(errno)) : s.failure();
-}
+void Connection::send_failed(const std::string& why) { broken(io_broke(where_, why, "while sending")); }
 
 void Connection::read() {
   reading_ = true;
@@ -238,7 +230,7 @@ void Connection::read() {
                                                         boost::system::error_code ec) {
       if (gen != self->generation_) return;
       self->reading_ = false;
-      if (ec) return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, ec.message()), false});
+      if (ec) return self->broken(io_broke(self->where_, ec.message()));
       self->read_tls();
     });
     return;
@@ -247,11 +239,9 @@ void Connection::read() {
                                                    boost::system::error_code ec, std::size_t n) {
     if (gen != self->generation_) return;
     self->reading_ = false;
-    if (ec) {
-      const std::string why = ec == net::error::eof ? "the server closed it" : ec.message();
-      return self->broken({fmt::format("connection to Redis at {} broke: {}", self->where_, why), false});
-    }
-    if (!self->received(n)) return;
+    if (ec) return self->broken(io_broke(self->where_, ec == net::error::eof ? io_reason(nullptr, 0) : ec.message()));
+    self->reader_->feed(self->rbuf_.data(), n);
+    if (!self->received()) return;
     self->next();
   });
 }
@@ -263,22 +253,17 @@ void Connection::next() {
 
 void Connection::read_tls() {
   for (;;) {
-    const long n = tls_->read(rbuf_.data(), rbuf_.size());
-    if (n > 0) {
-      if (!received(static_cast<std::size_t>(n))) return;
-      continue;
-    }
-    if (n < 0 && errno == EAGAIN && !tls_->refused()) break;
-    return broken({fmt::format("connection to Redis at {} broke: {}", where_, n == 0 ? "the server closed it" : tls_failure()),
-                   false});
+    const IoStep step = read_step(socket_.native_handle(), tls_.get(), *reader_, rbuf_.data(), rbuf_.size());
+    if (step == IoStep::wait) break;
+    if (step == IoStep::failed) return broken(io_broke(where_, io_reason(tls_.get(), errno)));
+    if (!received()) return;
   }
   next();
 }
 
-bool Connection::received(std::size_t n) {
+bool Connection::received() {
   const auto gen = generation_;
   touch();
-  reader_->feed(rbuf_.data(), n);
   for (;;) {
     ReplyPtr reply = reader_->next();
     if (reader_->failed()) {
@@ -392,7 +377,7 @@ void Connection::arm_timer() {
     self->timer_armed_ = false;
     if (self->inflight_.empty()) return;
     if (self->inflight_.front()->deadline <= Clock::now())
-      return self->broken({self->timed_out_text(), true});
+      return self->broken(io_timed_out(self->where_, self->opt_.command_timeout));
     self->arm_timer();
   });
 }
@@ -427,7 +412,12 @@ void Connection::doubt() noexcept {
 void Connection::drop_socket() {
   ++generation_;  // every callback of the old socket now returns at once
   boost::system::error_code ignored;
-  socket_.close(ignored);
+  if (in_reactor_)
+    socket_.close(ignored);
+  else if (fd_ >= 0)
+    ::close(fd_);
+  fd_ = -1;
+  in_reactor_ = true;
   timer_.cancel();
   timer_armed_ = false;
   writing_ = false;

@@ -8,8 +8,9 @@
 #include <chrono>
 #include <cstdint>
 #include <exception>
-#include <future>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -97,31 +98,65 @@ inline constexpr std::size_t max_coalesced_bytes = 1 << 20;
 template <class T>
 using DonePtr = std::unique_ptr<Done<T>>;
 
-// A blocking call's completion: fulfils the promise the caller waits on, on the connection's
-// strand (no hop through another executor).
+// What a blocked caller waits for: set once by its Waiter (on any thread), read by the caller. It
+// lives on the caller's stack: no allocation, and no system call when the answer came on the
+// caller's own thread (a lane it wrote and read itself), where a promise's once-flag and wake cost one.
+template <class T>
+struct Answer {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool ready = false;
+  std::exception_ptr error;
+  T value{};
+  T get() {
+    std::unique_lock lk(mu);
+    cv.wait(lk, [this] { return ready; });
+    if (error) std::rethrow_exception(error);
+    return std::move(value);
+  }
+};
+
+// A blocking call's completion: answers the caller on the thread that completes it (the
+// connection's strand, or the caller's own), with no hop through another executor.
 template <class T>
 struct Waiter final : Done<T> {
-  std::promise<T> promise;
+  explicit Waiter(Answer<T>& a) : answer(a) {}
+  Waiter(const Waiter&) = delete;
+  Waiter& operator=(const Waiter&) = delete;
+  // Dropped unanswered (never on a path the engine takes): the caller is told, not left waiting.
+  ~Waiter() override {
+    if (!answered)
+      set(std::make_exception_ptr(store_error("idem: a Redis request was dropped unanswered", "", true)), T{});
+  }
+  Answer<T>& answer;
+  bool answered = false;
   // The store's count of blocked callers not yet answered (send_checked), given back before the
   // caller wakes, so its next call counts itself alone.
   std::shared_ptr<std::atomic<int>> blocked;
   void complete(std::exception_ptr e, T value) override {
     if (blocked) blocked->fetch_sub(1, std::memory_order_relaxed);
-    if (e)
-      promise.set_exception(e);
-    else
-      promise.set_value(std::move(value));
+    set(std::move(e), std::move(value));
   }
   bool waits_here() const noexcept override { return true; }
+
+private:
+  void set(std::exception_ptr e, T value) {
+    answered = true;
+    // Notified under the lock: once the caller sees `ready` it may return and free `answer`.
+    std::lock_guard lk(answer.mu);
+    answer.error = std::move(e);
+    answer.value = std::move(value);
+    answer.ready = true;
+    answer.cv.notify_one();
+  }
 };
 
 // Submits through `submit(DonePtr<T>)` and waits for the answer (the blocking members).
 template <class T, class Submit>
 T wait_for(Submit&& submit) {
-  auto w = std::make_unique<Waiter<T>>();
-  std::future<T> f = w->promise.get_future();
-  submit(std::move(w));
-  return f.get();
+  Answer<T> a;
+  submit(std::make_unique<Waiter<T>>(a));
+  return a.get();
 }
 
 template <class T, class Parse>

@@ -4,6 +4,7 @@
 // caller who writes and reads on its own thread is handover.cpp.
 
 #include <netinet/in.h>
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
@@ -36,6 +37,10 @@ public:
       : opt_(o), factory_(std::move(factory)), routing_(std::move(routing)),
         work_(net::prefer(ex, net::execution::outstanding_work.tracked)), strand_(net::make_strand(ex)),
         socket_(strand_), timer_(strand_), idle_timer_(strand_), where_(factory_->where()) {}
+  // A descriptor a caller took out of the reactor is the connection's to close (socket_ no longer holds it).
+  ~Connection() {
+    if (!in_reactor_ && fd_ >= 0) ::close(fd_);
+  }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
 
@@ -78,6 +83,13 @@ private:
   // Nothing has come on the idle connection: the server has not closed it (a restart, its timeout).
   bool quiet() noexcept;
 
+  // A caller's own I/O runs on fd_ with the socket out of the loop's reactor: Asio's epoll is
+  // edge-triggered, so each reply read here would otherwise wake the loop thread for nothing (one
+  // wake-up per call, CPU the server on the same cores could have used). The strand puts it back
+  // (in_reactor) before its next operation on the socket.
+  void out_of_reactor() noexcept;
+  void in_reactor();
+
   // Writes `data` until all is written, an error or `deadline`: the bytes written (`f` says why when short).
   std::size_t send_here(std::string_view data, Clock::time_point deadline, IoFailure& f);
 
@@ -108,7 +120,6 @@ private:
   void park();
 
   void touch() noexcept { last_activity_.store(Clock::now(), std::memory_order_relaxed); }
-  std::string timed_out_text() const;
 
   void enqueue(std::unique_ptr<Op> op);
 
@@ -148,8 +159,6 @@ private:
 
   void send_failed(const std::string& why);
 
-  std::string tls_failure() const;
-
   // A read waits on the socket only while something is in flight: an idle connection is parked
   // for a blocked caller, who reads on its own thread.
   void read();
@@ -161,8 +170,8 @@ private:
   // TLS: everything the session has decrypted (it may hold more than the socket shows), then wait.
   void read_tls();
 
-  // Feeds n bytes to the reader and delivers every whole reply; false when that broke the connection.
-  bool received(std::size_t n);
+  // Delivers every whole reply the reader holds; false when that broke the connection.
+  bool received();
 
   void deliver(std::unique_ptr<Op> op, ReplyPtr reply);
 
@@ -203,6 +212,9 @@ private:
   net::any_io_executor work_;
   net::strand<net::any_io_executor> strand_;
   Socket socket_;
+  int fd_ = -1;                  // while connected: socket_'s descriptor, kept when it is out of the reactor
+  bool in_reactor_ = true;       // socket_ holds fd_ (false: a caller took it out; fd_ is ours to close)
+  std::optional<Socket::protocol_type> protocol_;  // fd_'s, to put it back
   net::steady_timer timer_;
   net::steady_timer idle_timer_;
   std::atomic<Clock::time_point> last_activity_{};  // the last write or read: the idle check counts from it

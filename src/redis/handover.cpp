@@ -8,12 +8,10 @@
 #include "connection_impl.hpp"
 
 #include <poll.h>
-#include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <climits>
-#include <cstring>
 
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
@@ -67,6 +65,7 @@ void Connection::run_here(std::unique_ptr<Op> op) {
   if (!quiet())
     return hand_back(std::move(op), false,
                      {fmt::format("connection to Redis at {} was closed by the server while idle", where_), false});
+  out_of_reactor();
   touch();
   ++requests_;
   ++writes_;
@@ -91,7 +90,7 @@ void Connection::run_here(std::unique_ptr<Op> op) {
 
 bool Connection::quiet() noexcept {
   if (tls_) return tls_->idle();
-  pollfd p{socket_.native_handle(), POLLIN, 0};
+  pollfd p{fd_, POLLIN, 0};
   int rc;
   do rc = ::poll(&p, 1, 0);
   while (rc < 0 && errno == EINTR);
@@ -101,17 +100,16 @@ bool Connection::quiet() noexcept {
 std::size_t Connection::send_here(std::string_view data, Clock::time_point deadline, IoFailure& f) {
   std::size_t done = 0;
   for (;;) {
-    done += tls_ ? tls_->write(data.substr(done)) : write_all(socket_.native_handle(), data.substr(done));
-    if (done == data.size()) return done;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) {
-      f = {fmt::format("connection to Redis at {} broke while sending: {}", where_,
-                       tls_ ? tls_failure() : std::string(std::strerror(errno))),
-           false};
-      return done;
-    }
-    if (!wait_fd(socket_.native_handle(), POLLOUT, deadline)) {
-      f = {timed_out_text(), true};
-      return done;
+    switch (write_step(fd_, tls_.get(), data, done)) {
+      case IoStep::done:
+        return done;
+      case IoStep::failed:
+        f = io_broke(where_, io_reason(tls_.get(), errno), "while sending");
+        return done;
+      case IoStep::wait:
+        if (wait_fd(fd_, POLLOUT, deadline)) continue;
+        f = io_timed_out(where_, opt_.command_timeout);
+        return done;
     }
   }
 }
@@ -124,21 +122,16 @@ ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
       return nullptr;
     }
     if (reply) return reply;
-    const long n = tls_ ? tls_->read(rbuf_.data(), rbuf_.size())
-                        : static_cast<long>(::recv(socket_.native_handle(), rbuf_.data(), rbuf_.size(), MSG_DONTWAIT));
-    if (n > 0) {
-      reader_->feed(rbuf_.data(), static_cast<std::size_t>(n));
-      continue;
-    }
-    if (n < 0 && errno == EINTR && !tls_) continue;
-    if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK) || (tls_ && tls_->refused())) {
-      const std::string why = n == 0 ? "the server closed it" : tls_ ? tls_failure() : std::strerror(errno);
-      f = {fmt::format("connection to Redis at {} broke: {}", where_, why), false};
-      return nullptr;
-    }
-    if (!wait_fd(socket_.native_handle(), POLLIN, deadline)) {
-      f = {timed_out_text(), true};
-      return nullptr;
+    switch (read_step(fd_, tls_.get(), *reader_, rbuf_.data(), rbuf_.size())) {
+      case IoStep::done:
+        continue;
+      case IoStep::failed:
+        f = io_broke(where_, io_reason(tls_.get(), errno));
+        return nullptr;
+      case IoStep::wait:
+        if (wait_fd(fd_, POLLIN, deadline)) continue;
+        f = io_timed_out(where_, opt_.command_timeout);
+        return nullptr;
     }
   }
 }
@@ -148,6 +141,7 @@ void Connection::release() {
   if (owner_.compare_exchange_strong(mine, Owner::parked, std::memory_order_acq_rel)) return;
   net::post(strand_, [self = shared_from_this()] {
     self->owner_.store(Owner::strand, std::memory_order_release);
+    self->in_reactor();
     self->write();
   });
 }
@@ -163,6 +157,7 @@ void Connection::hand_back(std::unique_ptr<Op> op, bool maybe_ran, IoFailure f) 
 void Connection::hand_reply(std::unique_ptr<Op> op, ReplyPtr reply) {
   net::post(strand_, [self = shared_from_this(), op = std::move(op), reply = std::move(reply)]() mutable {
     self->owner_.store(Owner::strand, std::memory_order_release);
+    self->in_reactor();
     self->deliver(std::move(op), std::move(reply));
     self->write();
   });
@@ -178,7 +173,10 @@ bool Connection::take() {
         return false;
       case Owner::parked:
         if (!owner_.compare_exchange_weak(o, Owner::strand, std::memory_order_acq_rel)) continue;
-        if (quiet()) return true;
+        if (quiet()) {
+          in_reactor();
+          return true;
+        }
         broken({fmt::format("connection to Redis at {} was closed by the server while idle", where_), false});
         return false;
       case Owner::caller:
@@ -186,6 +184,21 @@ bool Connection::take() {
         return false;
     }
   }
+}
+
+void Connection::out_of_reactor() noexcept {
+  if (!in_reactor_) return;
+  boost::system::error_code ec;
+  socket_.release(ec);  // the descriptor stays open, in fd_
+  in_reactor_ = ec.failed();
+}
+
+void Connection::in_reactor() {
+  if (in_reactor_ || fd_ < 0) return;
+  boost::system::error_code ec;
+  socket_.assign(*protocol_, fd_, ec);
+  if (ec) return broken(io_broke(where_, ec.message()));
+  in_reactor_ = true;
 }
 
 void Connection::park() {

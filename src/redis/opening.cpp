@@ -4,12 +4,9 @@
 
 #include "opening.hpp"
 
-#include <sys/socket.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <cstring>
 #include <exception>
 #include <iterator>
 #include <optional>
@@ -123,14 +120,12 @@ public:
   // False when the connection failed (failure() says how).
   net::awaitable<bool> send(std::string_view data, Clock::time_point deadline) {
     std::size_t done = 0;
-    while (done < data.size()) {
-      const std::size_t n = tls_ ? tls_->write(data.substr(done)) : write_all(s_.native_handle(), data.substr(done));
-      done += n;
-      if (done == data.size()) break;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) co_return failed(errno);
+    for (;;) {
+      const IoStep step = write_step(s_.native_handle(), tls_, data, done);
+      if (step == IoStep::done) co_return true;
+      if (step == IoStep::failed) co_return failed(errno);
       if (!co_await wait(net::socket_base::wait_write, deadline)) co_return false;
     }
-    co_return true;
   }
 
   // The next reply, or null when the connection failed (failure() says how).
@@ -142,18 +137,9 @@ public:
         answered_ = true;
         co_return reply;
       }
-      const long n = tls_ ? tls_->read(buf_.data(), buf_.size())
-                          : static_cast<long>(::recv(s_.native_handle(), buf_.data(), buf_.size(), MSG_DONTWAIT));
-      if (n > 0) {
-        reader_.feed(buf_.data(), static_cast<std::size_t>(n));
-        continue;
-      }
-      if (n == 0) {
-        why_ = "Server closed the connection";
-        co_return nullptr;
-      }
-      if (errno == EINTR && !tls_) continue;
-      if ((errno != EAGAIN && errno != EWOULDBLOCK) || (tls_ && tls_->refused())) {
+      const IoStep step = read_step(s_.native_handle(), tls_, reader_, buf_.data(), buf_.size());
+      if (step == IoStep::done) continue;
+      if (step == IoStep::failed) {
         failed(errno);
         co_return nullptr;
       }
@@ -187,17 +173,14 @@ public:
   }
 
   [[nodiscard]] IoFailure failure(const std::string& where, const char* during, millis command_timeout) const {
-    if (timed_out_)
-      return {fmt::format("Redis at {} did not answer {} within command_timeout ({})", where, during,
-                          ms(command_timeout)),
-              true};
+    if (timed_out_) return io_timed_out(where, command_timeout, during);
     if (reader_.failed()) return {reader_.error(where), false};
-    return {fmt::format("connection to Redis at {} broke {}: {}", where, during, why_), false};
+    return io_broke(where, why_, during);
   }
 
 private:
   bool failed(int err) {
-    why_ = tls_ && tls_->refused() ? tls_->failure() : std::string(std::strerror(err == 0 ? EPIPE : err));
+    why_ = io_reason(tls_, err);
     return false;
   }
 

@@ -1,5 +1,5 @@
-// What every Redis connection shares (client.hpp): the plain write path, hiredis's reply reader
-// with the bound on aggregates, AUTH, and how an endpoint is named in messages.
+// What every Redis connection shares (client.hpp): the I/O steps and how their failures read,
+// hiredis's reply reader with the bound on aggregates, AUTH, and how an endpoint is named in messages.
 
 #include "client.hpp"
 
@@ -33,10 +33,14 @@ std::string describe(const Endpoint& e) {
 }
 
 // The one write path. hiredis's own writer uses write(2), which raises SIGPIPE on a socket the
-// server closed; send with MSG_NOSIGNAL turns that into EPIPE. Returns the bytes written.
-std::size_t write_all(int fd, std::string_view data) noexcept {
-  std::size_t done = 0;
+// server closed; send with MSG_NOSIGNAL turns that into EPIPE.
+IoStep write_step(int fd, TlsSession* tls, std::string_view data, std::size_t& done) noexcept {
   while (done < data.size()) {
+    if (tls) {
+      done += tls->write(data.substr(done));
+      if (done < data.size()) break;
+      continue;
+    }
     const ssize_t n = ::send(fd, data.data() + done, data.size() - done, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -44,7 +48,40 @@ std::size_t write_all(int fd, std::string_view data) noexcept {
     }
     done += static_cast<std::size_t>(n);
   }
-  return done;
+  if (done == data.size()) return IoStep::done;
+  return errno == EAGAIN || errno == EWOULDBLOCK ? IoStep::wait : IoStep::failed;
+}
+
+IoStep read_step(int fd, TlsSession* tls, RespReader& reader, char* buf, std::size_t size) noexcept {
+  for (;;) {
+    const long n = tls ? tls->read(buf, size) : static_cast<long>(::recv(fd, buf, size, MSG_DONTWAIT));
+    if (n > 0) {
+      reader.feed(buf, static_cast<std::size_t>(n));
+      return IoStep::done;
+    }
+    if (n == 0) {
+      errno = 0;  // the server ended the connection (io_reason's "closed")
+      return IoStep::failed;
+    }
+    if (errno == EINTR && !tls) continue;
+    const bool refused = tls && tls->refused();
+    return !refused && (errno == EAGAIN || errno == EWOULDBLOCK) ? IoStep::wait : IoStep::failed;
+  }
+}
+
+std::string io_reason(const TlsSession* tls, int err) {
+  if (tls && tls->refused()) return tls->failure();
+  return err == 0 ? "the server closed it" : std::strerror(err);
+}
+
+IoFailure io_broke(std::string_view where, std::string_view why, std::string_view during) {
+  return {fmt::format("connection to Redis at {} broke{}{}: {}", where, during.empty() ? "" : " ", during, why), false};
+}
+
+IoFailure io_timed_out(std::string_view where, millis command_timeout, std::string_view during) {
+  return {fmt::format("Redis at {} did not answer{}{} within command_timeout ({})", where, during.empty() ? "" : " ",
+                      during, ms(command_timeout)),
+          true};
 }
 
 namespace {
