@@ -98,9 +98,11 @@ inline constexpr std::size_t max_coalesced_bytes = 1 << 20;
 template <class T>
 using DonePtr = std::unique_ptr<Done<T>>;
 
-// What a blocked caller waits for: set once by its Waiter (on any thread), read by the caller. It
-// lives on the caller's stack: no allocation, and no system call when the answer came on the
-// caller's own thread (a lane it wrote and read itself), where a promise's once-flag and wake cost one.
+// What a blocked caller waits for: set once by its Waiter (on any thread), read by the caller.
+// Shared by the two, so the Waiter can notify after unlocking (a caller woken under the lock would
+// only block again on the mutex, a second wake-up for the loop thread to pay at 256 in flight),
+// and an answer given on the caller's own thread (a lane it wrote and read itself) costs no
+// system call: nobody waits yet, where a promise's once-flag still woke.
 template <class T>
 struct Answer {
   std::mutex mu;
@@ -120,7 +122,7 @@ struct Answer {
 // connection's strand, or the caller's own), with no hop through another executor.
 template <class T>
 struct Waiter final : Done<T> {
-  explicit Waiter(Answer<T>& a) : answer(a) {}
+  explicit Waiter(std::shared_ptr<Answer<T>> a) : answer(std::move(a)) {}
   Waiter(const Waiter&) = delete;
   Waiter& operator=(const Waiter&) = delete;
   // Dropped unanswered (never on a path the engine takes): the caller is told, not left waiting.
@@ -128,7 +130,7 @@ struct Waiter final : Done<T> {
     if (!answered)
       set(std::make_exception_ptr(store_error("idem: a Redis request was dropped unanswered", "", true)), T{});
   }
-  Answer<T>& answer;
+  std::shared_ptr<Answer<T>> answer;
   bool answered = false;
   // The store's count of blocked callers not yet answered (send_checked), given back before the
   // caller wakes, so its next call counts itself alone.
@@ -142,21 +144,22 @@ struct Waiter final : Done<T> {
 private:
   void set(std::exception_ptr e, T value) {
     answered = true;
-    // Notified under the lock: once the caller sees `ready` it may return and free `answer`.
-    std::lock_guard lk(answer.mu);
-    answer.error = std::move(e);
-    answer.value = std::move(value);
-    answer.ready = true;
-    answer.cv.notify_one();
+    {
+      std::lock_guard lk(answer->mu);
+      answer->error = std::move(e);
+      answer->value = std::move(value);
+      answer->ready = true;
+    }
+    answer->cv.notify_one();
   }
 };
 
 // Submits through `submit(DonePtr<T>)` and waits for the answer (the blocking members).
 template <class T, class Submit>
 T wait_for(Submit&& submit) {
-  Answer<T> a;
+  auto a = std::make_shared<Answer<T>>();
   submit(std::make_unique<Waiter<T>>(a));
-  return a.get();
+  return a->get();
 }
 
 template <class T, class Parse>
