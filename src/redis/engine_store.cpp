@@ -267,7 +267,11 @@ std::vector<AcquireResult> EngineStore::acquire_many(std::span<const AcquireRequ
   if (!ops.empty()) blocked.send(std::move(ops));
   g->wait();
   std::vector<AcquireResult> decided = g->take();
-  if (known.empty()) return decided;
+  if (known.empty()) {
+    const auto duplicate = [](const AcquireResult& r) { return r.status == AcquireStatus::duplicate; };
+    if (std::any_of(decided.begin(), decided.end(), duplicate)) duplicates_first_->met_duplicate();
+    return decided;
+  }
   std::vector<AcquireResult> out;
   out.reserve(requests.size());
   std::size_t next = 0;

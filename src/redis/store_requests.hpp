@@ -4,6 +4,7 @@
 // AsyncRedisStore (Boost.Asio, through its own multiplexed connection), so both send the same
 // scripts the same arguments and read the same answers the same way.
 
+#include <algorithm>
 #include <atomic>
 #include <optional>
 #include <span>
@@ -56,12 +57,15 @@ Command mget_command(const RedisOptions& o, std::span<const AcquireRequest> requ
 void read_mget(const redisReply* r, std::span<const AcquireRequest> requests, std::optional<AcquireResult>* known);
 // Whether a batch reads its keys with MGET before any script. Never once the server refused MGET
 // (NOPERM: an ACL without +mget). Redeliveries come in bursts (after a crash, a rebalance) and
-// fresh traffic has none, so an MGET that found no completed record cost a round trip for
-// nothing: the next batches skip it, and one in probe_every reads again. Thread-safe; the count
-// is a hint (a race moves a probe, never an answer).
+// fresh traffic has none, so an MGET that found no completed record cost a serial round trip for
+// nothing (one batch in 8 paying it cost new-key batches 12 %): the next batches skip it, the gap
+// doubling with each empty read in a row (8, 16, 32, 64). A burst is still met at once: a batch
+// that skipped the read and whose script answered a duplicate makes the next batch read first.
+// Thread-safe; the counts are hints (a race moves a probe, never an answer).
 class DuplicatesFirst {
 public:
-  static constexpr unsigned probe_every = 8;
+  static constexpr unsigned first_gap = 8;  // batches from an empty read to the next read
+  static constexpr unsigned max_gap = 64;   // after empty reads in a row
   // Whether this batch reads first; counts a skipped one.
   bool wanted() noexcept {
     if (refused_.load(std::memory_order_relaxed)) return false;
@@ -70,14 +74,27 @@ public:
     }
     return s == 0;
   }
-  // What the read found: any completed record, or none (the next batches skip the read).
-  void read(bool found) noexcept { skip_.store(found ? 0 : probe_every - 1, std::memory_order_relaxed); }
+  // What the read found: any completed record (the next batch reads too), or none (the next
+  // gap - 1 batches skip it).
+  void read(bool found) noexcept {
+    if (found) return met_duplicate();
+    const unsigned g = gap_.load(std::memory_order_relaxed);
+    const unsigned next = g == 0 ? first_gap : std::min(2 * g, max_gap);
+    gap_.store(next, std::memory_order_relaxed);
+    skip_.store(next - 1, std::memory_order_relaxed);
+  }
+  // A batch's script answered a duplicate: the next batch reads first.
+  void met_duplicate() noexcept {
+    gap_.store(0, std::memory_order_relaxed);
+    skip_.store(0, std::memory_order_relaxed);
+  }
   // The server refused MGET: true the first time (the caller warns once).
   bool refuse() noexcept { return !refused_.exchange(true); }
 
 private:
   std::atomic<bool> refused_{false};
   std::atomic<unsigned> skip_{0};
+  std::atomic<unsigned> gap_{0};  // the last gap set; 0 after a read that found records
 };
 // Tells the observer, once per store, that the server refused MGET (NOPERM: an ACL without +mget):
 // its batches now answer duplicates through the script.

@@ -378,34 +378,55 @@ TEST_CASE("redis batch: completed keys read by one MGET, the script decides only
   batch_of_duplicates(store, server(), "mget-" + idem::test::random_hex() + ":", 1);
 }
 
-// Fresh traffic has no duplicates: an MGET that found none is skipped by the next 7 batches (their
-// duplicates answered by the script), the 8th reads again, and reads go on while they find some.
-TEST_CASE("redis batch: after an MGET that found no completed record, one batch in 8 reads first", "[redis][batch]") {
+// Fresh traffic has no duplicates: an MGET that found none is skipped by the next 7 batches, the
+// gap doubling with each empty read in a row (8, 16, ... 64); a skipped batch whose script answers
+// a duplicate makes the next one read first, and reads go on while they find some.
+TEST_CASE("redis batch: reads first after duplicates, ever less often while reads find none", "[redis][batch]") {
   RedisStore store(server().options());
   const std::string ns = "probe-" + idem::test::random_hex() + ":";
-  const std::string a = ns + "a", b = ns + "b";
   std::uint64_t token = 100;
-  auto batch = [&] {
-    const std::vector<idem::AcquireRequest> req{{a, params(++token)}, {b, params(++token)}};
+  int fresh_keys = 0;
+  auto batch_of = [&](const std::vector<std::string>& keys) {
+    std::vector<idem::AcquireRequest> req;
+    for (const auto& k : keys) req.push_back({k, params(++token)});
     return store.acquire_many(req);
   };
+  auto fresh_batches = [&](int n) {
+    for (int i = 0; i < n; ++i) {
+      const std::string k = ns + "fresh" + std::to_string(fresh_keys++);
+      for (const auto& r : batch_of({k})) REQUIRE(r.status == AcquireStatus::acquired);
+    }
+  };
+  const std::string a = ns + "a", b = ns + "b";
   server().command({"CONFIG", "RESETSTAT"});
-  const auto fresh = batch();  // read first: nothing found
+  const auto first = batch_of({a, b});  // read first: nothing found
   CHECK(calls_of(server(), "mget") == 1);
   for (std::size_t i = 0; i < 2; ++i) {
-    REQUIRE(fresh[i].status == AcquireStatus::acquired);
-    REQUIRE(store.complete(i == 0 ? a : b, fresh[i].holder, "r", 60s) == WriteStatus::ok);
+    REQUIRE(first[i].status == AcquireStatus::acquired);
+    REQUIRE(store.complete(i == 0 ? a : b, first[i].holder, "r", 60s) == WriteStatus::ok);
   }
   server().command({"CONFIG", "RESETSTAT"});
-  for (int i = 0; i < 7; ++i)
-    for (const auto& r : batch()) CHECK(r.status == AcquireStatus::duplicate);
+  for (const auto& r : batch_of({a, b})) CHECK(r.status == AcquireStatus::duplicate);  // skipped: the script answers
   CHECK(calls_of(server(), "mget") == 0);
-  CHECK(calls_of(server(), "evalsha") == 7);
+  CHECK(calls_of(server(), "evalsha") == 1);
   server().command({"CONFIG", "RESETSTAT"});
   for (int i = 0; i < 2; ++i)
-    for (const auto& r : batch()) CHECK(r.status == AcquireStatus::duplicate);
+    for (const auto& r : batch_of({a, b})) CHECK(r.status == AcquireStatus::duplicate);
   CHECK(calls_of(server(), "mget") == 2);
   CHECK(calls_of(server(), "evalsha") == 0);
+
+  // Fresh traffic: one read finds nothing, the next one comes 8 batches later, the one after 16.
+  server().command({"CONFIG", "RESETSTAT"});
+  fresh_batches(1);
+  CHECK(calls_of(server(), "mget") == 1);
+  fresh_batches(7);
+  CHECK(calls_of(server(), "mget") == 1);
+  fresh_batches(1);
+  CHECK(calls_of(server(), "mget") == 2);
+  fresh_batches(15);
+  CHECK(calls_of(server(), "mget") == 2);
+  fresh_batches(1);
+  CHECK(calls_of(server(), "mget") == 3);
 }
 
 TEST_CASE("redis batch: a user without +mget is warned once and every key goes through the script", "[redis][batch]") {
