@@ -115,7 +115,6 @@ void Connection::connected(std::uint64_t gen, std::optional<Opened> opened, std:
   where_ = factory_->where();
   socket_ = std::move(opened->socket);
   fd_ = socket_.native_handle();
-  in_reactor_ = true;
   boost::system::error_code ignored;
   protocol_.emplace(socket_.local_endpoint(ignored).protocol());
   tls_ = std::move(opened->tls);
@@ -412,12 +411,11 @@ void Connection::doubt() noexcept {
 void Connection::drop_socket() {
   ++generation_;  // every callback of the old socket now returns at once
   boost::system::error_code ignored;
-  if (in_reactor_)
-    socket_.close(ignored);
-  else if (fd_ >= 0)
+  if (taken_out())
     ::close(fd_);
+  else
+    socket_.close(ignored);
   fd_ = -1;
-  in_reactor_ = true;
   timer_.cancel();
   timer_armed_ = false;
   writing_ = false;

@@ -125,13 +125,14 @@ struct Waiter final : Done<T> {
   explicit Waiter(std::shared_ptr<Answer<T>> a) : answer(std::move(a)) {}
   Waiter(const Waiter&) = delete;
   Waiter& operator=(const Waiter&) = delete;
-  // Dropped unanswered (never on a path the engine takes): the caller is told, not left waiting.
+  // Dropped unanswered (never on a path the engine takes): the caller is told, not left waiting,
+  // and its count among the blocked callers is given back.
   ~Waiter() override {
     if (!answered)
-      set(std::make_exception_ptr(store_error("idem: a Redis request was dropped unanswered", "", true)), T{});
+      complete(std::make_exception_ptr(store_error("idem: a Redis request was dropped unanswered", "", true)), T{});
   }
   std::shared_ptr<Answer<T>> answer;
-  bool answered = false;
+  bool answered = false;  // kept here, not read from answer->ready: that would take the caller's lock
   // The store's count of blocked callers not yet answered (send_checked), given back before the
   // caller wakes, so its next call counts itself alone.
   std::shared_ptr<std::atomic<int>> blocked;

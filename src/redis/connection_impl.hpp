@@ -39,7 +39,7 @@ public:
         socket_(strand_), timer_(strand_), idle_timer_(strand_), where_(factory_->where()) {}
   // A descriptor a caller took out of the reactor is the connection's to close (socket_ no longer holds it).
   ~Connection() {
-    if (!in_reactor_ && fd_ >= 0) ::close(fd_);
+    if (taken_out()) ::close(fd_);
   }
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -89,6 +89,8 @@ private:
   // (in_reactor) before its next operation on the socket.
   void out_of_reactor() noexcept;
   void in_reactor();
+  // fd_ is open and socket_ does not hold it: a caller took it out, and it is ours to close.
+  bool taken_out() const noexcept { return fd_ >= 0 && !socket_.is_open(); }
 
   // Writes `data` until all is written, an error or `deadline`: the bytes written (`f` says why when short).
   std::size_t send_here(std::string_view data, Clock::time_point deadline, IoFailure& f);
@@ -212,8 +214,7 @@ private:
   net::any_io_executor work_;
   net::strand<net::any_io_executor> strand_;
   Socket socket_;
-  int fd_ = -1;                  // while connected: socket_'s descriptor, kept when it is out of the reactor
-  bool in_reactor_ = true;       // socket_ holds fd_ (false: a caller took it out; fd_ is ours to close)
+  int fd_ = -1;  // while connected: socket_'s descriptor, kept when it is out of the reactor
   std::optional<Socket::protocol_type> protocol_;  // fd_'s, to put it back
   net::steady_timer timer_;
   net::steady_timer idle_timer_;

@@ -187,18 +187,16 @@ bool Connection::take() {
 }
 
 void Connection::out_of_reactor() noexcept {
-  if (!in_reactor_) return;
+  if (!socket_.is_open()) return;
   boost::system::error_code ec;
-  socket_.release(ec);  // the descriptor stays open, in fd_
-  in_reactor_ = ec.failed();
+  socket_.release(ec);  // the descriptor stays open, in fd_ (on failure socket_ keeps it)
 }
 
 void Connection::in_reactor() {
-  if (in_reactor_ || fd_ < 0) return;
+  if (!taken_out()) return;
   boost::system::error_code ec;
   socket_.assign(*protocol_, fd_, ec);
-  if (ec) return broken(io_broke(where_, ec.message()));
-  in_reactor_ = true;
+  if (ec) return broken(io_broke(where_, ec.message()));  // fd_ still taken out: drop_socket closes it
 }
 
 void Connection::park() {
