@@ -3,7 +3,7 @@
 // --dupkeys completed keys replayed round-robin; FLUSHALL before each run; a warm-up, then --reps
 // timed runs of --ops, median), for three ways of running idem's guard:
 //   blocking     RedisStore (default options: 8 lanes, then multiplexed), one thread per call in flight
-//   multiplexed  AsyncRedisStore's blocking calls, one thread per call in flight, one connection
+//   multiplexed  AsyncRedisStore's blocking calls, one thread per call in flight (8 lanes, then multiplexed)
 //   async        run_async on AsyncRedisStore: one thread, --conc coroutines in flight, one connection
 // (multiplexed and async auto-batch: steps queued behind a write leave as one script call; the
 // -nobatch modes set RedisOptions::auto_batch = 1, one call per step, to show what it buys)
@@ -526,7 +526,7 @@ int main(int argc, char** argv) try {
   for (const std::string& mode : a.modes) {
     auto m = make_mode(mode, a);
     const std::string label = mode == "blocking"      ? "idem IdempotencyGuard::run on RedisStore (8 lanes, then multiplexed; one thread per call in flight)"
-                              : mode == "multiplexed" ? "idem IdempotencyGuard::run on AsyncRedisStore (one pipelined connection, one thread per call in flight)"
+                              : mode == "multiplexed" ? "idem IdempotencyGuard::run on AsyncRedisStore (8 lanes, then multiplexed; one thread per call in flight)"
                                                       : "idem IdempotencyGuard::run_async on AsyncRedisStore (one thread, coroutines, one pipelined connection)";
     std::fprintf(stderr, "== idem-%s: %s\n", mode.c_str(), label.c_str());
     js << (first_peer ? "" : ",") << "\n    {\"name\": \"idem-" << mode << "\", \"label\": \"" << label
