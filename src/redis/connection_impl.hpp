@@ -95,8 +95,8 @@ private:
   // Writes `data` until all is written, an error or `deadline`: the bytes written (`f` says why when short).
   std::size_t send_here(std::string_view data, Clock::time_point deadline, IoFailure& f);
 
-  // The next whole reply, or null with `f` saying why.
-  ReplyPtr read_here(Clock::time_point deadline, IoFailure& f);
+  // The next whole reply, or null with `f` saying why; `just_sent`: the request was written just now.
+  ReplyPtr read_here(Clock::time_point deadline, IoFailure& f, bool just_sent = false);
 
   // The caller is done with the connection: parked again, or, with requests queued behind it,
   // handed to the strand to write them.

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <utility>
 
 #include <boost/asio/post.hpp>
 #include <fmt/format.h>
@@ -73,7 +74,7 @@ void Connection::run_here(std::unique_ptr<Op> op) {
   IoFailure f;
   const std::size_t sent = send_here(op->bytes, op->deadline, f);
   if (sent < op->bytes.size()) return hand_back(std::move(op), sent > 0, std::move(f));
-  ReplyPtr reply = read_here(op->deadline, f);
+  ReplyPtr reply = read_here(op->deadline, f, true);
   ReplyPtr wait;
   if (reply && op->waits) wait = read_here(op->deadline, f);
   if (!reply || (op->waits && !wait)) return hand_back(std::move(op), true, std::move(f));
@@ -114,7 +115,7 @@ std::size_t Connection::send_here(std::string_view data, Clock::time_point deadl
   }
 }
 
-ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
+ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f, bool just_sent) {
   for (;;) {
     ReplyPtr reply = reader_->next();
     if (reader_->failed()) {
@@ -122,6 +123,12 @@ ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f) {
       return nullptr;
     }
     if (reply) return reply;
+    // Just written, the request has not been run yet: a read now would only say so (one system
+    // call of five a lone call made).
+    if (std::exchange(just_sent, false) && !(tls_ && tls_->buffered()) && !wait_fd(fd_, POLLIN, deadline)) {
+      f = io_timed_out(where_, opt_.command_timeout);
+      return nullptr;
+    }
     switch (read_step(fd_, tls_.get(), *reader_, rbuf_.data(), rbuf_.size())) {
       case IoStep::done:
         continue;

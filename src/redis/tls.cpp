@@ -332,6 +332,8 @@ long TlsSession::read(char* buf, std::size_t n) noexcept {
   return refused_ || errno != 0 ? -1 : 0;
 }
 
+bool TlsSession::buffered() const noexcept { return SSL_has_pending(ssl_) == 1; }
+
 bool TlsSession::idle() noexcept {
   if (SSL_pending(ssl_) > 0) return false;
   pollfd p{fd_, POLLIN, 0};

@@ -68,6 +68,9 @@ public:
   // An idle session has no data to read: true when nothing is readable, or only records that
   // are not data (TLS 1.3 session tickets, consumed here); false when data or a close is waiting.
   bool idle() noexcept;
+  // Bytes taken off the socket that a read would return (or decrypt) without the socket: waiting
+  // on the socket for them would wait in vain.
+  [[nodiscard]] bool buffered() const noexcept;
   // Why the last read or write failed ("" for a plain socket error or timeout).
   [[nodiscard]] const std::string& failure() const noexcept { return failure_; }
   // The last failure was TLS refusing the session (an alert, a protocol error), not the socket.
