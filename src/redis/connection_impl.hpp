@@ -82,6 +82,7 @@ private:
 
   // Nothing has come on the idle connection: the server has not closed it (a restart, its timeout).
   bool quiet() noexcept;
+  static constexpr auto recently_heard = std::chrono::milliseconds(1);  // quiet() trusts a connection used this recently
 
   // A caller's own I/O runs on fd_ with the socket out of the loop's reactor: Asio's epoll is
   // edge-triggered, so each reply read here would otherwise wake the loop thread for nothing (one
