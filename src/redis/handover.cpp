@@ -92,8 +92,8 @@ void Connection::run_here(std::unique_ptr<Op> op) {
 bool Connection::quiet() noexcept {
   // Heard from a moment ago: a close since then is as unlikely as one while the request is out,
   // which its own settling (a same-holder resend, else in doubt) covers anyway. The check is for
-  // a connection left idle (the server's timeout, a restart meanwhile), and costs a system call:
-  // one of four on a lone blocking call, one of ten on a lone async one (strace -c, a cluster).
+  // a connection left idle (the server's timeout, a restart meanwhile); it costs a system call
+  // where a lone blocking call makes three (send, wait, read) and a lone async one about twelve.
   if (Clock::now() - last_activity_.load(std::memory_order_relaxed) < recently_heard) return true;
   if (tls_) return tls_->idle();
   pollfd p{fd_, POLLIN, 0};
@@ -128,8 +128,8 @@ ReplyPtr Connection::read_here(Clock::time_point deadline, IoFailure& f, bool ju
       return nullptr;
     }
     if (reply) return reply;
-    // Just written, the request has not been run yet: a read now would only say so (one system
-    // call of five a lone call made).
+    // Just written, the request has not been run yet: a read now would only say so, a system call
+    // for nothing.
     if (std::exchange(just_sent, false) && !(tls_ && tls_->buffered()) && !wait_fd(fd_, POLLIN, deadline)) {
       f = io_timed_out(where_, opt_.command_timeout);
       return nullptr;
