@@ -81,8 +81,10 @@ private:
   void run_here(std::unique_ptr<Op> op);
 
   // Nothing has come on the idle connection: the server has not closed it (a restart, its timeout).
+  // Polled before every request written to a parked connection, however recently it was used: a
+  // server killed a moment ago must fail the next call cleanly (retryable, nothing written), not
+  // leave it in doubt (redis_fault_test's SIGKILL case caught a 1 ms shortcut doing that).
   bool quiet() noexcept;
-  static constexpr auto recently_heard = std::chrono::milliseconds(1);  // quiet() trusts a connection used this recently
 
   // A caller's own I/O runs on fd_ with the socket out of the loop's reactor: Asio's epoll is
   // edge-triggered, so each reply read here would otherwise wake the loop thread for nothing (one

@@ -90,11 +90,6 @@ void Connection::run_here(std::unique_ptr<Op> op) {
 }
 
 bool Connection::quiet() noexcept {
-  // Heard from a moment ago: a close since then is as unlikely as one while the request is out,
-  // which its own settling (a same-holder resend, else in doubt) covers anyway. The check is for
-  // a connection left idle (the server's timeout, a restart meanwhile); it costs a system call
-  // where a lone blocking call makes three (send, wait, read) and a lone async one about twelve.
-  if (Clock::now() - last_activity_.load(std::memory_order_relaxed) < recently_heard) return true;
   if (tls_) return tls_->idle();
   pollfd p{fd_, POLLIN, 0};
   int rc;
