@@ -83,7 +83,7 @@ private:
   // Nothing has come on the idle connection: the server has not closed it (a restart, its timeout).
   // Polled before every request written to a parked connection, however recently it was used: a
   // server killed a moment ago must fail the next call cleanly (retryable, nothing written), not
-  // leave it in doubt (redis_fault_test's SIGKILL case caught a 1 ms shortcut doing that).
+  // leave it in doubt.
   bool quiet() noexcept;
 
   // A caller's own I/O runs on fd_ with the socket out of the loop's reactor: Asio's epoll is
